@@ -12,7 +12,7 @@ from specd.workloads import Prompt, default_prompts_path, load_prompts
 # Greedy generation length per workload prompt in the exactness tests. The property does not
 # depend on length (every step is checked), and the full lengths would take CI past its budget
 # across 16 prompts x 5 methods x 4 depths; `specd bench` checks full lengths on every run.
-EXACTNESS_MAX_TOKENS = int(os.environ.get("SPECD_TEST_MAX_TOKENS", "40"))
+EXACTNESS_MAX_TOKENS = int(os.environ.get("SPECD_TEST_MAX_TOKENS", "20"))
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,9 @@ occurrences at each node. To draft, the longest suffix of the current context (a
 ``max_match`` tokens) that occurs in a trie *and was followed by something* is located, and the
 draft greedily follows the most frequent child from there. Each step's empirical probability,
 child.count / sum(sibling counts), is multiplied into a running score; the extension stops after
-k tokens, at a leaf, or before the token that would push the score below ``min_token_prob``.
-The draft with the higher score of the two tries is proposed.
+k tokens, at a leaf, or before the token that would push the running product below
+``min_token_prob``. A draft's score is the sum of its running products, its expected number of
+accepted tokens; the draft with the higher score of the two tries is proposed.
 
 Parameters (SuffixProposer):
 
@@ -37,8 +38,7 @@ global_max_sequences=256
     at roughly global_max_sequences * output length * max_depth nodes.
 
 Differences from ArcticInference's implementation: it stores a path-compressed suffix tree
-(O(length) nodes, in C++), scores a draft by the sum of its cumulative probabilities (its
-expected number of accepted tokens) rather than their product, tries every match length and keeps
+(O(length) nodes, in C++), tries every match length and keeps
 the best-scoring draft instead of the longest match, and divides by the parent's count rather
 than the sum of the children's (which also counts occurrences at the end of a sequence).
 """
@@ -181,8 +181,11 @@ class SuffixTrie:
     ) -> tuple[list[int], float]:
         """Draft up to k tokens after the longest useful suffix match of context.
 
-        Returns (tokens, score) where score is the product of the per-step probabilities
-        child.count / sum(sibling counts); an empty draft scores 0.0.
+        Each step's probability child.count / sum(sibling counts) is multiplied into a running
+        path probability (the estimated chance that the draft so far is accepted in full); the
+        extension stops before the path probability falls below min_token_prob. Returns
+        (tokens, score), where score is the sum of the path probabilities: the expected number of
+        accepted tokens, as ArcticInference scores drafts. An empty draft scores 0.0.
         """
         if k <= 0:
             return [], 0.0
@@ -191,7 +194,8 @@ class SuffixTrie:
             return [], 0.0
         children, counts = self._children, self._counts
         draft: list[int] = []
-        score = 1.0
+        path_prob = 1.0
+        expected_accepted = 0.0
         while len(draft) < k and children[node]:
             total = 0
             best_tok = best = best_count = -1
@@ -200,13 +204,14 @@ class SuffixTrie:
                 total += c
                 if c > best_count:
                     best_tok, best, best_count = tok, child, c
-            p = score * best_count / total
+            p = path_prob * best_count / total
             if p < min_token_prob:
                 break
-            score = p
+            path_prob = p
+            expected_accepted += p
             draft.append(best_tok)
             node = best
-        return draft, (score if draft else 0.0)
+        return draft, expected_accepted
 
 
 class SuffixSession:

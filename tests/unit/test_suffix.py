@@ -145,24 +145,25 @@ def test_no_match() -> None:
     assert trie.match_and_extend([3], 4, 4, 0.1) == ([], 0.0)  # only at the end: no child
     assert trie.match_and_extend([], 4, 4, 0.1) == ([], 0.0)
     assert trie.match_and_extend([1], 0, 4, 0.1) == ([], 0.0)
-    assert trie.match_and_extend([1], 4, 4, 0.1) == ([2, 3], 1.0)
+    assert trie.match_and_extend([1], 4, 4, 0.1) == ([2, 3], 2.0)  # two certain steps
 
 
 def test_min_token_prob_stops_the_extension() -> None:
     trie = SuffixTrie(max_depth=24)
     trie.extend([1, 2, 3, 7, 1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 4, 9, 1, 2])
     ctx = [9, 1, 2]
-    # After "1 2": 3 (x3) or 4 (x1) -> 3/4; after "1 2 3": 7 (x2) or 8 (x1) -> 2/3, score 1/2;
-    # then "7 1 2 3" is certain; after "1 2 3 7 1 2 3": 7 or 8, once each -> score 1/4.
+    # After "1 2": 3 (x3) or 4 (x1) -> 3/4; after "1 2 3": 7 (x2) or 8 (x1) -> 2/3, path 1/2;
+    # then "7 1 2 3" is certain; after "1 2 3 7 1 2 3": 7 or 8, once each -> path 1/4.
+    # The score is the sum of the path probabilities (expected accepted tokens).
     assert trie.match_and_extend(ctx, 10, 12, 0.8) == ([], 0.0)
     assert trie.match_and_extend(ctx, 10, 12, 0.6) == ([3], 0.75)
     tokens, score = trie.match_and_extend(ctx, 10, 12, 0.4)
-    assert (tokens, score) == ([3, 7, 1, 2, 3], pytest.approx(0.5))
+    assert (tokens, score) == ([3, 7, 1, 2, 3], pytest.approx(0.75 + 4 * 0.5))
     tokens, score = trie.match_and_extend(ctx, 2, 12, 0.4)  # k stops it first
-    assert (tokens, score) == ([3, 7], pytest.approx(0.5))
+    assert (tokens, score) == ([3, 7], pytest.approx(0.75 + 0.5))
     tokens, score = trie.match_and_extend(ctx, 10, 12, 0.2)
     assert tokens[:5] == [3, 7, 1, 2, 3] and tokens[5] in (7, 8)
-    assert score == pytest.approx(0.25)
+    assert score == pytest.approx(0.75 + 4 * 0.5 + 0.25 * (len(tokens) - 5))  # the rest is certain
 
 
 @pytest.mark.parametrize("seed", range(4))
