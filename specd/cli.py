@@ -15,7 +15,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default=None, help="hub id, local folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--method", default="ngram", choices=["none", "ngram", "suffix", "draft_model"], help="drafting method (default: ngram)")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft_model: hub id, folder, .gguf, or 'target'")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per verify step (default: 4)")
+    p.add_argument("--k", type=int, default=8, help="draft tokens per verify step (default: 8)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights dtype (default: float32)")
 

@@ -26,3 +26,19 @@ class PromptTooLong(InvalidArgument):
         )
         self.prompt_tokens = prompt_tokens
         self.max_context = max_context
+
+
+class FailedPrecondition(SpecdError):
+    """The request is valid but the system is not in a state to serve it (e.g. a session not opened)."""
+
+
+class ResourceExhausted(SpecdError):
+    """A capacity limit is reached (sessions, queue slots); the caller may retry later or elsewhere."""
+
+
+class Unavailable(SpecdError):
+    """The service cannot serve now (draining, a dependency down); the caller may retry."""
+
+
+class NotFound(SpecdError):
+    """A named entity (session, model) does not exist."""

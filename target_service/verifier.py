@@ -1,26 +1,26 @@
-"""The target side of speculative decoding: KV-cached sessions that prefill, verify and roll back.
+"""The target side of speculative decoding: sessions that prefill, verify blocks and roll back.
 
-A session's cache always holds the prompt and every emitted token except the newest one (the
-*pending* token): a verify step feeds [pending, d_1 .. d_k] in one forward pass, which yields the
-target's distribution at each draft position plus one more (for the bonus token), then crops the
-cache back to the accepted prefix.
+A session's KV row always holds the prompt and every emitted token except the newest one (the
+*pending* token): a verify step runs [pending, d_1 .. d_k] in one forward pass, which yields the
+target's distribution at each draft position plus one more (for the bonus token), and the row's
+length then moves to just past the accepted prefix. Several sessions' steps can share one pass
+(`verify_batch`); each row computes exactly what it would alone.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from draft_service.proposers.base import Proposal
 from specd.errors import InvalidArgument, PromptTooLong
-from specd.kv import cache_length, crop_cache, forward, new_cache
 from specd.logits import logits_to_probs, sample
 from specd.models import LoadedModel
 from specd.sampling import SamplingParams
+from target_service.batch_forward import BatchedForward, RowInput
 from target_service.rejection_sampler import VerifyOutcome, greedy_verify, rejection_sample
 
 
@@ -34,28 +34,24 @@ def make_generator(seed: int | None, device: torch.device, offset: int = 0) -> t
     return gen
 
 
-@dataclass
-class SessionCounters:
-    forward_passes: int = 0
-
-
 class TargetSession:
-    """One request's state on the target: its KV cache, pending token and random stream."""
+    """One request's state on the target: its KV row, pending token and random stream."""
 
     def __init__(self, target: "TargetModel", session_id: int, prompt_ids: Sequence[int], params: SamplingParams):
         self.target = target
         self.session_id = session_id
         self.params = params
         self.prompt_ids = list(prompt_ids)
-        self.cache = new_cache(target.model.model)
+        self.slot: int | None = None
+        self.cached = 0  # positions of the KV row in use
         self.pending: int | None = None
         self.generator = make_generator(params.seed, target.model.device)
-        self.counters = SessionCounters()
+        self.forward_passes = 0
 
     @property
     def length(self) -> int:
         """Tokens in the sequence so far: prompt plus emitted (cached plus the pending one)."""
-        return cache_length(self.cache) + (self.pending is not None)
+        return self.cached + (self.pending is not None)
 
     @property
     def room(self) -> int:
@@ -64,38 +60,32 @@ class TargetSession:
 
     def prefill(self) -> int:
         """Run the prompt; return the first generated token (its time is the time to first token)."""
-        if self.pending is not None:
-            raise RuntimeError("session already prefilled")
-        logits = forward(self.target.model.model, self.prompt_ids, self.cache, keep_last=1)
-        self.counters.forward_passes += 1
-        token = self._pick(logits[-1:])
-        self.pending = token
-        return token
+        return self.target.prefill(self)
 
     def verify(self, proposal: Proposal) -> VerifyOutcome:
         """Verify a block of draft tokens (possibly empty: plain decoding) in one forward pass."""
+        return self.target.verify_batch([(self, proposal)])[0]
+
+    def check_block(self, proposal: Proposal) -> None:
         if self.pending is None:
-            raise RuntimeError("verify before prefill")
+            raise InvalidArgument("verify", "the session has no prefill yet")
         k = len(proposal.tokens)
         if k >= max(self.room, 1):  # after this step the sequence must still fit the context
             raise InvalidArgument("draft_tokens", f"{k} draft tokens do not fit the {self.room} positions left")
-        base = cache_length(self.cache)
-        logits = forward(self.target.model.model, [self.pending, *proposal.tokens], self.cache)
-        self.counters.forward_passes += 1
-        outcome = self._accept(proposal, logits)
-        # The cache now holds pending + all k drafts; keep pending + the accepted ones.
-        crop_cache(self.cache, base + 1 + outcome.num_accepted)
-        self.pending = outcome.tokens[-1]
-        return outcome
+        vocab = self.target.model.vocab_size
+        if any(not 0 <= t < vocab for t in proposal.tokens):
+            raise InvalidArgument("draft_tokens", f"token ids must be below the vocabulary size {vocab}")
+        if proposal.probs is not None and tuple(proposal.probs.shape) != (k, vocab):
+            raise InvalidArgument("draft_probs", f"expected shape ({k}, {vocab}), got {tuple(proposal.probs.shape)}")
 
-    def _pick(self, logits: torch.Tensor) -> int:
+    def pick(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.is_greedy:
-            return int(logits[0].argmax())
-        probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p)
+            return int(logits[-1].argmax())
+        probs = logits_to_probs(logits[-1:], p.temperature, p.top_k, p.top_p)
         return int(sample(probs, self.generator)[0])
 
-    def _accept(self, proposal: Proposal, logits: torch.Tensor) -> VerifyOutcome:
+    def accept(self, proposal: Proposal, logits: torch.Tensor) -> VerifyOutcome:
         drafts = torch.tensor(proposal.tokens, dtype=torch.long, device=logits.device)
         p = self.params
         if p.is_greedy:
@@ -104,18 +94,23 @@ class TargetSession:
         return rejection_sample(drafts, target_probs, proposal.probs, self.generator)
 
     def close(self) -> None:
-        self.target._forget(self.session_id)
-        self.cache = None  # type: ignore[assignment]
+        self.target.close_session(self)
 
 
 class TargetModel:
-    """The verifier: a loaded target model and its open sessions."""
+    """The verifier: a loaded target model, its KV pool and its open sessions.
+
+    Forward passes are serialized by a lock: the model runs one (possibly batched) pass at a time.
+    """
 
     def __init__(self, model: LoadedModel):
         self.model = model
+        self.forward = BatchedForward(model)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._model_lock = threading.Lock()
         self.sessions: dict[int, TargetSession] = {}
+        self.forward_passes = 0
 
     def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> TargetSession:
         if not prompt_ids:
@@ -130,6 +125,41 @@ class TargetModel:
             self.sessions[session.session_id] = session
         return session
 
-    def _forget(self, session_id: int) -> None:
+    def prefill(self, session: TargetSession) -> int:
+        if session.pending is not None:
+            raise InvalidArgument("open", "session already prefilled")
+        with self._model_lock:
+            if session.slot is None:
+                session.slot = self.forward.pool.allocate()
+            logits = self.forward.run([RowInput(session.slot, 0, session.prompt_ids)], keep_last=1)[0]
+            self.forward_passes += 1
+        session.forward_passes += 1
+        session.cached = len(session.prompt_ids)
+        session.pending = session.pick(logits)
+        return session.pending
+
+    def verify_batch(self, items: list[tuple[TargetSession, Proposal]]) -> list[VerifyOutcome]:
+        """Verify one block per session in a single forward pass; sessions must be distinct."""
+        for session, proposal in items:
+            session.check_block(proposal)
+        rows = [RowInput(s.slot, s.cached, [s.pending, *p.tokens]) for s, p in items]  # type: ignore[arg-type, list-item]
+        with self._model_lock:
+            logits = self.forward.run(rows)
+            self.forward_passes += 1
+        outcomes = []
+        for (session, proposal), row_logits in zip(items, logits):
+            outcome = session.accept(proposal, row_logits)
+            session.forward_passes += 1
+            session.cached += 1 + outcome.num_accepted  # pending + accepted drafts stay; the rest is stale
+            session.pending = outcome.tokens[-1]
+            outcomes.append(outcome)
+        return outcomes
+
+    def close_session(self, session: TargetSession) -> None:
         with self._lock:
-            self.sessions.pop(session_id, None)
+            if self.sessions.pop(session.session_id, None) is None:
+                return
+        if session.slot is not None:
+            with self._model_lock:
+                self.forward.pool.release(session.slot)
+            session.slot = None

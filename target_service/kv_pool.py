@@ -1,0 +1,112 @@
+"""A KV pool of fixed slots: one row per open session, so a batch of sessions needs no cache copies.
+
+Layout per layer: K and V of shape [slots, kv_heads, capacity, head_dim]. A session owns one
+slot and its tokens occupy positions 0..length-1 of that row; rolling back after a rejection is
+just a shorter length (the stale rows are overwritten by the next step and masked until then).
+Slots and capacity grow by doubling on demand, so an idle server holds little memory.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: Any) -> "KVShape":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device, slots: int = 4, capacity: int = 256):
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.k = self._zeros(slots, capacity)
+        self.v = self._zeros(slots, capacity)
+        self._free = list(range(slots))
+        heapq.heapify(self._free)
+
+    def _zeros(self, slots: int, capacity: int) -> torch.Tensor:
+        s = self.shape
+        return torch.zeros(s.num_layers, slots, s.num_kv_heads, capacity, s.head_dim, dtype=self.dtype, device=self.device)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def allocate(self) -> int:
+        """The lowest free slot (low slots keep batches contiguous, which avoids gathers)."""
+        if not self._free:
+            self._resize(self.slots * 2, self.capacity)
+        return heapq.heappop(self._free)
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def ensure_capacity(self, positions: int) -> None:
+        if positions > self.capacity:
+            capacity = self.capacity
+            while capacity < positions:
+                capacity *= 2
+            self._resize(self.slots, capacity)
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        old_slots, old_cap = self.slots, self.capacity
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = self._zeros(slots, capacity)
+            new[:, :old_slots, :, :old_cap] = old
+            setattr(self, name, new)
+        for slot in range(old_slots, slots):
+            heapq.heappush(self._free, slot)
+
+
+class BatchCacheView:
+    """What a transformers model sees as its cache during one batched forward pass.
+
+    Row b belongs to pool slot slots[b] and writes its new keys/values at positions
+    starts[b] .. starts[b] + n - 1; attention reads positions 0 .. kv_length - 1 of each row,
+    and the caller's mask hides what a row must not see.
+    """
+
+    def __init__(self, pool: KVPool, slots: list[int], starts: list[int], kv_length: int):
+        self.pool = pool
+        self.slots = slots
+        self.starts = starts
+        self.kv_length = kv_length
+        lo = slots[0]
+        self._range = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
+        self._index = None if self._range is not None else torch.tensor(slots, device=pool.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        # key_states, value_states: [batch, kv_heads, n_new, head_dim]
+        n = key_states.shape[2]
+        k_layer, v_layer = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        for b, (slot, start) in enumerate(zip(self.slots, self.starts)):
+            k_layer[slot, :, start:start + n] = key_states[b]
+            v_layer[slot, :, start:start + n] = value_states[b]
+        rows = self._range if self._range is not None else self._index
+        return k_layer[rows, :, : self.kv_length], v_layer[rows, :, : self.kv_length]
