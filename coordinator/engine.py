@@ -61,6 +61,11 @@ class Generation:
             pass
         return self
 
+    def close(self) -> None:
+        """Stop early (client gone, deadline passed): closes the sessions on both sides."""
+        if self.chunks is not None:
+            self.chunks.close()  # type: ignore[attr-defined]
+
 
 class StopChecker:
     """Decides where generation stops: EOS, stop token ids, max_tokens, stop strings.
@@ -96,12 +101,6 @@ class StopChecker:
         start = max(0, self.text_len - window + 1)
         self.text_len = len(text)
         return any(s in text[start:] for s in self.params.stop)
-
-
-def truncate_at_stop_string(text: str, stop: Sequence[str]) -> str:
-    """The text up to (not including) the first stop string, as OpenAI and vLLM return it."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]
 
 
 class SpeculativeEngine:

@@ -8,14 +8,17 @@ import logging
 import sys
 from typing import Sequence
 
+import grpc
+
 from specd.errors import InvalidArgument
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default=None, help="hub id, local folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="ngram", choices=["none", "ngram", "suffix", "draft_model"], help="drafting method (default: ngram)")
+    p.add_argument("--method", default=None, choices=["none", "ngram", "suffix", "draft_model"],
+                   help="drafting method (default: ngram embedded; the coordinator's with --address)")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft_model: hub id, folder, .gguf, or 'target'")
-    p.add_argument("--k", type=int, default=8, help="draft tokens per verify step (default: 8)")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per verify step (default: 8 embedded; the coordinator's with --address)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights dtype (default: float32)")
 
@@ -38,8 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--address", default=None, help="HOST:PORT of a running coordinator (default: run embedded)")
     _add_model_flags(gen)
     _add_sampling_flags(gen)
+
+    from specd.config import CoordinatorConfig, DraftConfig, TargetConfig, add_config_flags
+
+    serve = sub.add_parser("serve", help="run one service: target, draft or coordinator")
+    serve_sub = serve.add_subparsers(dest="service", required=True)
+    for name, cls in (("target", TargetConfig), ("draft", DraftConfig), ("coordinator", CoordinatorConfig)):
+        add_config_flags(serve_sub.add_parser(name, help=f"the {name} service"), cls)
+
+    up = sub.add_parser("up", help="start target, draft and coordinator on loopback with the default model")
+    up.add_argument("--port", type=int, default=50050, help="coordinator port")
+    up.add_argument("--target-port", type=int, default=50052)
+    up.add_argument("--draft-port", type=int, default=50051)
+    up.add_argument("--method", default="ngram", choices=["none", "ngram", "suffix"])
+    up.add_argument("--k", type=int, default=8)
+    up.add_argument("--target-model", default=None)
 
     bench = sub.add_parser("bench", help="benchmark methods against transformers' baselines on a prompts file")
     from coordinator.bench import add_bench_flags
@@ -48,13 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from coordinator.embedded import EngineOptions, build_engine
-    from coordinator.engine import truncate_at_stop_string
+def _params(args: argparse.Namespace):
     from specd.sampling import SamplingParams
-    from specd.text import TextStream
 
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -63,23 +79,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     ).validate()
-    opts = EngineOptions(args.target_model, args.method, args.draft_model, args.k, args.device, args.dtype)
+
+
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    from coordinator.client import CoordinatorClient, build_request, result_to_dict
+
+    request = build_request(args.prompt, _params(args), chat=args.chat, method=args.method, k=args.k)
+    with CoordinatorClient(args.address) as client:
+        if args.json:
+            print(json.dumps(result_to_dict(client.generate(request))))
+            return 0
+        result = None
+        for msg in client.stream(request):
+            if msg.HasField("chunk"):
+                sys.stdout.write(msg.chunk.text)
+                sys.stdout.flush()
+            else:
+                result = msg.result
+        sys.stdout.write("\n")
+        if result is not None:
+            d = result_to_dict(result)
+            print(f"[{len(d['token_ids'])} tokens, finish={d['finish_reason']}, acceptance={d['stats']['acceptance_rate']:.2f}, "
+                  f"mean acceptance length={d['stats']['mean_acceptance_length']:.2f}]", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from coordinator.embedded import EngineOptions, build_engine
+    from specd.text import TextStream, visible_text
+
+    if args.address:
+        return cmd_generate_remote(args)
+    params = _params(args)
+    opts = EngineOptions(args.target_model, args.method or "ngram", args.draft_model,
+                         8 if args.k is None else args.k, args.device, args.dtype)
     engine, target = build_engine(opts)
     gen = engine.generate(target.encode(args.prompt, chat=args.chat), params)
-    stream = TextStream(target.decode)
     if args.json:
         gen.run()
     else:
-        shown = ""
+        stream = TextStream(target.decode, params.stop)
         for chunk in gen:
-            delta = stream.push(chunk)
-            # Hold back text that might turn out to be the start of a stop string.
-            visible = truncate_at_stop_string(shown + delta, params.stop) if params.stop else shown + delta
-            sys.stdout.write(visible[len(shown):])
+            sys.stdout.write(stream.push(chunk))
             sys.stdout.flush()
-            shown = visible
-        sys.stdout.write("\n")
-    text = truncate_at_stop_string(target.decode(gen.token_ids), params.stop)
+        sys.stdout.write(stream.flush() + "\n")
+    text = visible_text(target.decode(gen.token_ids), params.stop, final=True)
     if args.json:
         print(json.dumps({
             "text": text,
@@ -107,6 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            from specd.config import CoordinatorConfig, DraftConfig, TargetConfig, load_config
+            from specd.serve import serve
+
+            cls = {"target": TargetConfig, "draft": DraftConfig, "coordinator": CoordinatorConfig}[args.service]
+            return serve(args.service, load_config(cls, args))
+        if args.command == "up":
+            from specd.serve import up
+
+            return up(args.port, args.target_port, args.draft_port, args.method, args.k, args.target_model)
         if args.command == "bench":
             from coordinator.bench import run_bench
 
@@ -117,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"specd: {exc}", file=sys.stderr)
         return 2
+    except grpc.RpcError as exc:
+        print(f"specd: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1  # type: ignore[attr-defined]
     return 1
 
 

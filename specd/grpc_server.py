@@ -61,10 +61,14 @@ REFLECTION_SERVICE_NAME: str = reflection.SERVICE_NAME
 class ServerConfig(Protocol):
     """The fields of a specd.config service config that the server uses."""
 
-    host: str
-    port: int
-    max_workers: int
-    grace_seconds: float
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def max_workers(self) -> int: ...
+    @property
+    def grace_seconds(self) -> float: ...
 
 
 # --- errors ----------------------------------------------------------------------------------

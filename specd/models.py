@@ -195,6 +195,14 @@ def load_model(
     )
 
 
+def load_tokenizer(spec: str | None = None) -> Any:
+    """Only the tokenizer of a model spec (the coordinator tokenizes; it runs no model)."""
+    from transformers import AutoTokenizer
+
+    _, source = resolve_model_path(spec)
+    return AutoTokenizer.from_pretrained(source)
+
+
 def _eos_ids(model: Any, tokenizer: Any | None) -> frozenset[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):

@@ -1,0 +1,121 @@
+"""The draft service: one bidirectional stream per session, feedback in, draft blocks out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Iterator
+
+import grpc
+
+from draft_service.proposers import METHODS, Proposer, make_proposer
+from draft_service.proposers.base import DraftSession
+from specd.errors import FailedPrecondition, InvalidArgument
+from specd.grpc_server import grpc_errors
+from specd.models import LoadedModel
+from specd.wire import METHOD_TO_PROTO, method_from_proto, probs_to_proto, sampling_from_proto
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "specdec.v1.DraftService"
+MAX_K = 64
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    """Serves every model-free method, plus draft_model when a draft model is loaded."""
+
+    def __init__(self, default_method: str = "ngram", draft_model: LoadedModel | None = None, info: common_pb2.ModelInfo | None = None):
+        if default_method not in METHODS or default_method == "none":
+            raise ValueError(f"draft method must be one of ngram, suffix, draft_model; got {default_method!r}")
+        if default_method == "draft_model" and draft_model is None:
+            raise ValueError("method draft_model needs --model (the draft model)")
+        self.default_method = default_method
+        self.proposers: dict[str, Proposer] = {m: make_proposer(m) for m in ("ngram", "suffix")}  # type: ignore[misc]
+        if draft_model is not None:
+            self.proposers["draft_model"] = make_proposer("draft_model", draft_model)  # type: ignore[assignment]
+        self.info = info or common_pb2.ModelInfo(name="model-free")
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.open_sessions = 0
+        self.blocks = 0
+        self.draft_ms_total = 0.0
+
+    @grpc_errors
+    def GetModelInfo(self, request, context) -> common_pb2.ModelInfo:
+        return self.info
+
+    @grpc_errors
+    def GetStats(self, request, context) -> draft_pb2.DraftStats:
+        with self._lock:
+            return draft_pb2.DraftStats(
+                open_sessions=self.open_sessions,
+                methods=[METHOD_TO_PROTO[m] for m in sorted(self.proposers)],
+                blocks=self.blocks,
+                mean_draft_ms=self.draft_ms_total / self.blocks if self.blocks else 0.0,
+            )
+
+    @grpc_errors
+    def Session(self, request_iterator: Iterator[draft_pb2.DraftRequest], context) -> Iterator[draft_pb2.DraftBlock]:
+        session: DraftSession | None = None
+        session_id = ""
+        try:
+            for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if kind == "open":
+                    if session is not None:
+                        raise InvalidArgument("open", "the session is already open")
+                    session = self._open(request.open)
+                    session_id = str(next(self._ids))
+                    with self._lock:
+                        self.open_sessions += 1
+                    yield draft_pb2.DraftBlock(session_id=session_id)
+                elif kind == "step":
+                    if session is None:
+                        raise InvalidArgument("step", "the first message of a session must be `open`")
+                    yield self._step(session, session_id, request.step)
+                else:
+                    raise InvalidArgument("kind", "a draft session message must be `open` or `step`")
+        finally:
+            if session is not None:
+                session.close()
+                with self._lock:
+                    self.open_sessions -= 1
+
+    def _open(self, msg: draft_pb2.OpenDraftSession) -> DraftSession:
+        method = method_from_proto(msg.method) or self.default_method
+        if method == "none":
+            raise InvalidArgument("method", "method none needs no draft session")
+        if method not in self.proposers:
+            raise FailedPrecondition(f"this draft replica serves {', '.join(sorted(self.proposers))}, not {method}")
+        if not msg.prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids", "the prompt is empty")
+        return self.proposers[method].open_session(list(msg.prompt_token_ids), sampling_from_proto(msg.params))
+
+    def _step(self, session: DraftSession, session_id: str, step: draft_pb2.DraftStep) -> draft_pb2.DraftBlock:
+        if step.k > MAX_K:
+            raise InvalidArgument("k", f"at most {MAX_K} draft tokens per step, got {step.k}")
+        start = time.perf_counter()
+        if step.appended_token_ids:
+            session.append(list(step.appended_token_ids))
+        block = draft_pb2.DraftBlock(session_id=session_id)
+        if step.k:
+            proposal = session.propose(step.k)
+            block.token_ids.extend(proposal.tokens)
+            probs = probs_to_proto(proposal.probs)
+            if probs is not None:
+                block.probs.CopyFrom(probs)
+        block.draft_ms = (time.perf_counter() - start) * 1000
+        if step.k:
+            with self._lock:
+                self.blocks += 1
+                self.draft_ms_total += block.draft_ms
+        return block
+
+
+def register(servicer: DraftServicer):
+    def _register(server: grpc.Server) -> None:
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+
+    return _register

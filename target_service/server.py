@@ -1,0 +1,115 @@
+"""The target service: gRPC in, verifier sessions and the batching scheduler, gRPC out."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterator
+
+import grpc
+
+from draft_service.proposers.base import Proposal
+from specd.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specd.grpc_server import grpc_errors
+from specd.models import LoadedModel
+from specd.vocab import vocab_hash
+from specd.wire import probs_from_proto, sampling_from_proto
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.scheduler import VerifyScheduler
+from target_service.verifier import TargetModel, TargetSession
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "specdec.v1.TargetService"
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, model: LoadedModel, max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 5.0):
+        self.model = model
+        self.target = TargetModel(model)
+        self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms)
+        self.max_sessions = max_sessions
+        self.max_batch_size = max_batch_size
+        self.draining = False
+        self._admission = threading.Lock()
+        self._info = common_pb2.ModelInfo(
+            name=model.name,
+            vocab_size=model.vocab_size,
+            max_context=model.max_context,
+            eos_token_ids=sorted(model.eos_token_ids),
+            vocab_hash=vocab_hash(model.tokenizer, model.vocab_size),
+        )
+
+    def drain(self) -> None:
+        """Refuse new sessions; open ones run to completion."""
+        self.draining = True
+
+    @grpc_errors
+    def GetModelInfo(self, request, context) -> common_pb2.ModelInfo:
+        return self._info
+
+    @grpc_errors
+    def GetStats(self, request, context) -> target_pb2.TargetStats:
+        stats = self.scheduler.stats
+        msg = target_pb2.TargetStats(
+            open_sessions=len(self.target.sessions),
+            max_sessions=self.max_sessions,
+            queue_depth=self.scheduler.queue_depth,
+            forward_passes=self.target.forward_passes,
+            batch_occupancy=stats.mean_batch_size() / self.max_batch_size,
+            serving=not self.draining,
+        )
+        with stats.lock:
+            for size, count in sorted(stats.batch_sizes.items()):
+                msg.batch_sizes.add(batch_size=size, count=count)
+            for (size, block), (count, total) in sorted(stats.latency.items()):
+                msg.verify_latency.add(batch_size=size, block_length=block, count=count, mean_ms=total / count)
+        return msg
+
+    @grpc_errors
+    def Session(self, request_iterator: Iterator[target_pb2.TargetRequest], context) -> Iterator[target_pb2.TargetResponse]:
+        session: TargetSession | None = None
+        try:
+            for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if kind == "open":
+                    if session is not None:
+                        raise InvalidArgument("open", "the session is already open")
+                    session = self._open(request.open)
+                    start = time.perf_counter()
+                    token, timing = self.scheduler.prefill(session)
+                    yield target_pb2.TargetResponse(opened=target_pb2.TargetSessionOpened(
+                        session_id=str(session.session_id), first_token_id=token, context_room=max(session.room, 0),
+                        prefill_ms=timing.compute_ms, queue_ms=timing.queue_ms))
+                    log.debug("session %s prefilled in %.1f ms", session.session_id, (time.perf_counter() - start) * 1000)
+                elif kind == "verify":
+                    if session is None:
+                        raise InvalidArgument("verify", "the first message of a session must be `open`")
+                    block = request.verify
+                    tokens = list(block.draft_token_ids)
+                    probs = probs_from_proto(block.draft_probs, len(tokens), self.model.vocab_size)
+                    outcome, timing = self.scheduler.verify(session, Proposal(tokens, probs))
+                    yield target_pb2.TargetResponse(verified=target_pb2.BlockVerified(
+                        num_accepted=outcome.num_accepted, token_ids=outcome.tokens, verify_ms=timing.compute_ms,
+                        batch_size=timing.batch_size, queue_ms=timing.queue_ms, context_room=max(session.room, 0)))
+                else:
+                    raise InvalidArgument("kind", "a session message must be `open` or `verify`")
+        finally:
+            if session is not None:
+                session.close()
+
+    def _open(self, msg: target_pb2.OpenTargetSession) -> TargetSession:
+        if self.draining:
+            raise Unavailable("this target replica is draining; open the session on another replica")
+        params = sampling_from_proto(msg.params)
+        with self._admission:
+            if len(self.target.sessions) >= self.max_sessions:
+                raise ResourceExhausted(f"this target replica holds its limit of {self.max_sessions} sessions; retry later")
+            return self.target.open_session(list(msg.prompt_token_ids), params)
+
+
+def register(servicer: TargetServicer):
+    def _register(server: grpc.Server) -> None:
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+
+    return _register
