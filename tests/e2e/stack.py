@@ -1,0 +1,88 @@
+"""Start specd's services as real OS processes on loopback, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specd.grpc_server import wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def peak_rss_mb(self) -> float:
+        """VmHWM of the process (its peak resident memory), while it runs."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+
+def start_service(service: str, args: list[str], log_dir: Path, timeout: float = 180.0) -> Service:
+    port = free_port()
+    log = log_dir / f"{service}-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "serve", service, "--port", str(port), *args],
+                            cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_healthy(f"127.0.0.1:{port}", timeout)
+    except TimeoutError:
+        proc.kill()
+        raise RuntimeError(f"{service} did not become healthy; its log:\n{log.read_text()[-3000:]}")
+    if proc.poll() is not None:
+        raise RuntimeError(f"{service} exited during start-up; its log:\n{log.read_text()[-3000:]}")
+    return Service(service, port, proc, log)
+
+
+@dataclass
+class Stack:
+    target: Service
+    draft: Service
+    coordinator: Service
+    extra: list[Service] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for s in [*self.extra, self.coordinator, self.draft, self.target]:
+            s.stop()
+
+
+def start_stack(log_dir: Path, draft_model: str | None = None, method: str = "ngram", k: int = 4,
+                target_args: list[str] | None = None) -> Stack:
+    target = start_service("target", target_args or [], log_dir)
+    draft = start_service("draft", ["--method", method] + (["--model", draft_model] if draft_model else []), log_dir)
+    coordinator = start_service("coordinator", ["--target", target.address, "--draft", draft.address,
+                                                "--method", method, "--k", str(k)], log_dir)
+    return Stack(target, draft, coordinator)

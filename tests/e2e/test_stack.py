@@ -1,0 +1,182 @@
+"""End to end: target, draft and coordinator as three real processes on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from coordinator.client import CoordinatorClient, build_request
+from specd.grpc_server import make_channel
+from specd.models import save_tiny_random_model
+from specd.sampling import SamplingParams
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.conftest import EXACTNESS_MAX_TOKENS
+from tests.e2e.stack import start_service, start_stack
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(target, tmp_path_factory):
+    tiny = save_tiny_random_model(tmp_path_factory.mktemp("tiny-draft"), vocab_size=target.vocab_size, hidden_size=64,
+                                  tokenizer_from=target.tokenizer, max_position_embeddings=8192)
+    s = start_stack(tmp_path_factory.mktemp("logs"), draft_model=str(tiny))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with CoordinatorClient(stack.coordinator.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def references(target, workload_prompts):
+    refs = {}
+    for p in workload_prompts:
+        ids = target.encode(p.prompt, chat=p.chat)
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                        max_new_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS), pad_token_id=2)
+        refs[p.id] = (ids, out[0, len(ids):].tolist())
+    return refs
+
+
+def target_stats(stack) -> target_pb2.TargetStats:
+    with make_channel(stack.target.address) as ch:
+        return target_pb2_grpc.TargetServiceStub(ch).GetStats(target_pb2.GetStatsRequest(), timeout=5)
+
+
+def draft_stats(stack) -> draft_pb2.DraftStats:
+    with make_channel(stack.draft.address) as ch:
+        return draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.GetDraftStatsRequest(), timeout=5)
+
+
+def wait_sessions_closed(stack, within: float = 1.0) -> tuple[int, int]:
+    deadline = time.monotonic() + within
+    while True:
+        t, d = target_stats(stack).open_sessions, draft_stats(stack).open_sessions
+        if (t, d) == (0, 0) or time.monotonic() > deadline:
+            return t, d
+        time.sleep(0.05)
+
+
+SERVICES = {"target": "specdec.v1.TargetService", "draft": "specdec.v1.DraftService", "coordinator": "specdec.v1.Coordinator"}
+
+
+def test_health_serving_and_reflection_on_all_three(stack):
+    for name, service in SERVICES.items():
+        address = getattr(stack, name).address
+        with make_channel(address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for svc in ("", service):
+                assert health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+            services = ProtoReflectionDescriptorDatabase(ch).get_services()
+            assert service in services and "grpc.health.v1.Health" in services
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_greedy_output_equals_target_only(method, client, references, workload_prompts, stack):
+    drafted = 0
+    for p in workload_prompts:
+        ids, expected = references[p.id]
+        req = build_request(ids, SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS)), method=method, k=4)
+        chunks, result = [], None
+        for msg in client.stream(req, timeout=300):
+            if msg.HasField("chunk"):
+                chunks.extend(msg.chunk.token_ids)
+            else:
+                result = msg.result
+        assert chunks == expected, f"{method}: {p.id} differs from target-only decoding"
+        assert list(result.token_ids) == expected
+        assert result.usage.completion_tokens == len(expected) and result.usage.prompt_tokens == len(ids)
+        drafted += result.stats.num_draft_tokens
+    assert drafted > 0
+
+
+def test_eight_concurrent_streams_are_exact_and_batched(client, references, workload_prompts, stack):
+    before = {b.batch_size: b.count for b in target_stats(stack).batch_sizes}
+    prompts = workload_prompts[:8]
+
+    def run(p):
+        ids, expected = references[p.id]
+        res = client.generate(build_request(ids, SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS))), timeout=300)
+        return p.id, list(res.token_ids), expected
+
+    with ThreadPoolExecutor(8) as pool:
+        for pid, got, expected in pool.map(run, prompts):
+            assert got == expected, f"{pid} differs under concurrency"
+    after = {b.batch_size: b.count for b in target_stats(stack).batch_sizes}
+    grown = {size for size, count in after.items() if count > before.get(size, 0)}
+    assert max(grown) > 1, f"no verify pass had more than one session: {after}"
+
+
+def test_cancelled_stream_frees_sessions_on_both_services(client, stack):
+    req = build_request("Write a long story about a dragon.", SamplingParams(max_tokens=400, ignore_eos=True))
+    call = client.stream(req)
+    next(call), next(call)  # the stream is under way
+    assert target_stats(stack).open_sessions == 1
+    call.cancel()
+    assert wait_sessions_closed(stack) == (0, 0)
+
+
+def test_expired_deadline_frees_sessions_on_both_services(client, stack):
+    req = build_request("Write a long story about a dragon.", SamplingParams(max_tokens=400, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(req, timeout=1.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_sessions_closed(stack) == (0, 0)
+
+
+@pytest.mark.parametrize("params,field", [
+    (SamplingParams(top_p=1.5), "top_p"),
+    (SamplingParams(temperature=-0.5), "temperature"),
+    (SamplingParams(top_k=-2), "top_k"),
+])
+def test_bad_input_is_invalid_argument_naming_the_field(client, params, field):
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(build_request("hi", params), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    assert client.generate(build_request("hi", SamplingParams(max_tokens=2)), timeout=60).usage.completion_tokens == 2
+
+
+def test_prompt_over_the_context_is_invalid_argument(client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(build_request(list(range(100, 9000)), SamplingParams(max_tokens=2)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in err.value.details()
+
+
+def test_unknown_first_message_on_internal_services(stack):
+    with make_channel(stack.target.address) as ch:
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Session(iter([target_pb2.TargetRequest(verify=target_pb2.VerifyBlock())]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "open" in err.value.details()
+    with make_channel(stack.draft.address) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Session(iter([draft_pb2.DraftRequest(open=draft_pb2.OpenDraftSession(
+                prompt_token_ids=[1, 2], method=common_pb2.DRAFT_METHOD_DRAFT_MODEL + 7))]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "method" in err.value.details()
+
+
+def test_sigterm_during_a_stream_lets_it_finish(stack, tmp_path):
+    coordinator = start_service("coordinator", ["--target", stack.target.address, "--draft", stack.draft.address], tmp_path)
+    with CoordinatorClient(coordinator.address) as c:
+        call = c.stream(build_request("Count from one to fifty in words.", SamplingParams(max_tokens=48, ignore_eos=True)), timeout=120)
+        first = next(call)
+        assert first.HasField("chunk")
+        coordinator.proc.send_signal(15)
+        rest = list(call)
+    assert rest[-1].HasField("result") and rest[-1].result.usage.completion_tokens == 48
+    assert coordinator.proc.wait(30) == 0
