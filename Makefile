@@ -1,7 +1,6 @@
 # specd: every set-up step lives here, so a fresh machine needs only `make demo` or `make test`.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
 .PHONY: setup protos demo test test-fast bench clean
 
@@ -16,8 +15,8 @@ protos: ## generate the Python gRPC code from protos/ into specdec/ (not committ
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto
 	touch specdec/__init__.py specdec/v1/__init__.py
 
-demo: setup ## stream a generation from the bundled default model with n-gram speculation
-	specd generate "$(PROMPT)" --chat --max-tokens 160
+demo: setup ## start the three services on loopback and stream a generation through them
+	bash scripts/demo.sh
 
 test: setup ## the whole test suite (CI runs this)
 	$(PYTHON) -m pytest -q
@@ -25,8 +24,9 @@ test: setup ## the whole test suite (CI runs this)
 test-fast: ## unit tests only, no model loading
 	$(PYTHON) -m pytest -q tests/unit
 
-bench: setup ## the benchmark on the shared workload prompts (see docs/benchmarks.md)
-	specd bench --runs 3
+bench: setup ## the benchmarks on the shared workload prompts (see docs/benchmarks.md)
+	specd bench --runs 3 --out bench-results/engine
+	specd bench-stack --runs 3 --out bench-results/stack
 
 clean:
 	rm -rf bench-results .pytest_cache build *.egg-info specdec

@@ -59,11 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--method", default="ngram", choices=["none", "ngram", "suffix"])
     up.add_argument("--k", type=int, default=8)
     up.add_argument("--target-model", default=None)
+    up.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0: off; default 8000)")
 
     bench = sub.add_parser("bench", help="benchmark methods against transformers' baselines on a prompts file")
     from coordinator.bench import add_bench_flags
 
     add_bench_flags(bench)
+
+    bench_stack = sub.add_parser("bench-stack", help="benchmark the distributed stack against the embedded engine")
+    from coordinator.bench_stack import add_bench_stack_flags
+
+    add_bench_stack_flags(bench_stack)
     return parser
 
 
@@ -160,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             from specd.serve import up
 
-            return up(args.port, args.target_port, args.draft_port, args.method, args.k, args.target_model)
+            return up(args.port, args.target_port, args.draft_port, args.method, args.k, args.target_model, args.http_port or None)
+        if args.command == "bench-stack":
+            from coordinator.bench_stack import run_bench_stack
+
+            return run_bench_stack(args)
         if args.command == "bench":
             from coordinator.bench import run_bench
 

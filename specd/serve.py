@@ -26,6 +26,9 @@ def _run(handle: ServerHandle, service: str) -> int:
     handle.install_signal_handlers()
     print(f"specd {service} serving on {handle.port}", file=sys.stderr, flush=True)
     handle.wait()
+    http = getattr(handle, "http", None)
+    if http is not None:  # HTTP requests in flight get the same grace period as gRPC ones
+        http.thread.join(timeout=handle.grace_seconds + 5)
     return 0
 
 
@@ -55,14 +58,24 @@ def start_draft(cfg: DraftConfig) -> ServerHandle:
 def start_coordinator(cfg: CoordinatorConfig) -> ServerHandle:
     from coordinator.remote import ReplicaPool, fetch_model_info
     from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
+    from coordinator.service import GenerationService
     from specd.models import load_tokenizer
 
     targets = ReplicaPool(cfg.target)
     drafts = ReplicaPool(cfg.draft) if cfg.draft and cfg.method != "none" else None
     info = fetch_model_info(targets)
-    servicer = CoordinatorServicer(targets, drafts, load_tokenizer(cfg.tokenizer_model), info, cfg.method, cfg.k)
-    handle = build_server(cfg, register(servicer), [SERVICE_NAME])
-    handle.servicer = servicer  # type: ignore[attr-defined]
+    service = GenerationService(targets, drafts, load_tokenizer(cfg.tokenizer_model), info.name,
+                                frozenset(info.eos_token_ids), cfg.method, cfg.k)
+    handle = build_server(cfg, register(CoordinatorServicer(service)), [SERVICE_NAME])
+    handle.servicer = service  # type: ignore[attr-defined]
+    if cfg.http_port is not None:
+        from coordinator.http_api import HttpServer
+
+        http = HttpServer(service, cfg.host, cfg.http_port, grace_seconds=cfg.grace_seconds)
+        http.start()
+        handle.add_drain_hook(http.drain)
+        handle.http = http  # type: ignore[attr-defined]
+        print(f"specd coordinator HTTP (OpenAI-compatible) on http://{cfg.host}:{http.port}/v1", file=sys.stderr, flush=True)
     return handle
 
 
@@ -88,7 +101,7 @@ def serve(service: str, cfg: ServiceConfig) -> int:
 
 
 def up(port: int = 50050, target_port: int = 50052, draft_port: int = 50051, method: str = "ngram", k: int = 8,
-       target_model: str | None = None, timeout: float = 300.0) -> int:
+       target_model: str | None = None, http_port: int | None = 8000, timeout: float = 300.0) -> int:
     """Start target, draft and coordinator as separate processes on loopback; stop them on Ctrl-C/SIGTERM."""
     from specd.models import resolve_model_path
 
@@ -100,9 +113,10 @@ def up(port: int = 50050, target_port: int = 50052, draft_port: int = 50051, met
         ("draft", exe + ["draft", "--port", str(draft_port), "--method", method if method != "none" else "ngram"], draft_port),
         ("coordinator", exe + ["coordinator", "--port", str(port), "--target", f"127.0.0.1:{target_port}",
                                "--draft", f"127.0.0.1:{draft_port}", "--method", method, "--k", str(k)]
-         + (["--tokenizer-model", target_model] if target_model else []), port),
+         + (["--tokenizer-model", target_model] if target_model else [])
+         + (["--http-port", str(http_port)] if http_port else []), port),
     ]
-    busy = [p for _, _, p in specs if not _port_free(p)]
+    busy = [p for _, _, p in specs if not _port_free(p)] + ([http_port] if http_port and not _port_free(http_port) else [])
     if busy:
         print(f"specd up: port(s) {', '.join(map(str, busy))} already in use; stop what holds them or pass "
               f"--port/--target-port/--draft-port", file=sys.stderr)
@@ -124,6 +138,8 @@ def up(port: int = 50050, target_port: int = 50052, draft_port: int = 50051, met
                 raise RuntimeError(f"{name} exited with status {procs[-1][1].returncode} during start-up")
             print(f"specd up: {name} healthy on 127.0.0.1:{p}", file=sys.stderr, flush=True)
         print(f"specd up: coordinator at 127.0.0.1:{port}  (try: specd generate --address 127.0.0.1:{port} \"Hello\")", flush=True)
+        if http_port:
+            print(f"specd up: OpenAI-compatible HTTP API at http://127.0.0.1:{http_port}/v1", flush=True)
         while not stopping:
             for name, proc in procs:
                 if proc.poll() is not None:

@@ -1,4 +1,4 @@
-"""Start specd's services as real OS processes on loopback, for end-to-end tests."""
+"""Start specd's services as real OS processes on loopback (end-to-end tests, the stack bench)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from specd.grpc_server import wait_healthy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -72,6 +72,7 @@ class Stack:
     target: Service
     draft: Service
     coordinator: Service
+    http_port: int | None = None
     extra: list[Service] = field(default_factory=list)
 
     def stop(self) -> None:
@@ -80,9 +81,10 @@ class Stack:
 
 
 def start_stack(log_dir: Path, draft_model: str | None = None, method: str = "ngram", k: int = 4,
-                target_args: list[str] | None = None) -> Stack:
+                target_args: list[str] | None = None, http_port: int | None = None) -> Stack:
     target = start_service("target", target_args or [], log_dir)
     draft = start_service("draft", ["--method", method] + (["--model", draft_model] if draft_model else []), log_dir)
     coordinator = start_service("coordinator", ["--target", target.address, "--draft", draft.address,
-                                                "--method", method, "--k", str(k)], log_dir)
-    return Stack(target, draft, coordinator)
+                                                "--method", method, "--k", str(k)]
+                                + (["--http-port", str(http_port)] if http_port is not None else []), log_dir)
+    return Stack(target, draft, coordinator, http_port)
