@@ -2,7 +2,8 @@
 
 Starts target, draft and coordinator as separate processes on loopback, then in every run:
 transformers' target-only generate() in this process, the embedded engine (none, ngram), the
-stack at concurrency 1 (none, ngram) and at concurrency N (N client threads sharing the prompts).
+stack over gRPC streaming at concurrency 1 (none, ngram) and at concurrency N (N client threads
+sharing the prompts), and the OpenAI-compatible HTTP API (SSE streaming, ngram, concurrency 1).
 Tokens/s per system is tokens over wall seconds of the run's phase; the report gives medians over
 runs, ratios against target-only measured in the same run, the per-step cost of the two RPC hops,
 and each process's peak memory.
@@ -27,7 +28,7 @@ from coordinator.bench import HF_TARGET, hf_systems, specd_system
 from coordinator.client import CoordinatorClient, build_request
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import make_proposer
-from specd.launcher import start_stack
+from specd.launcher import free_port, start_stack
 from specd.models import load_model
 from specd.sampling import SamplingParams
 from specd.workloads import Prompt, default_prompts_path, load_prompts
@@ -50,7 +51,8 @@ def _stack_phase(address: str, prompts: list[Prompt], encoded: dict[str, list[in
 
     def one(p: Prompt) -> dict:
         with CoordinatorClient(address) as c:
-            r = c.generate(build_request(encoded[p.id], SamplingParams(max_tokens=p.max_tokens), method=method, k=k), timeout=600)
+            request = build_request(encoded[p.id], SamplingParams(max_tokens=p.max_tokens), method=method, k=k)
+            r = [m for m in c.stream(request, timeout=600) if m.HasField("result")][0].result
         steps = max(r.stats.target_forward_passes - 1, 1)
         return {"id": p.id, "kind": p.kind, "ids": list(r.token_ids), "tokens": r.usage.completion_tokens,
                 "rpc_overhead_ms_per_step": r.timings.rpc_overhead_ms / steps}
@@ -60,6 +62,26 @@ def _stack_phase(address: str, prompts: list[Prompt], encoded: dict[str, list[in
         results = list(pool.map(one, prompts))
     seconds = time.perf_counter() - start
     return sum(r["tokens"] for r in results), seconds, results
+
+
+def _http_phase(http_port: int, prompts: list[Prompt], encoded: dict[str, list[int]], method: str, k: int) -> tuple[int, float, list[dict]]:
+    """The same requests streamed through the OpenAI-compatible HTTP API (server-sent events)."""
+    import httpx
+
+    url = f"http://127.0.0.1:{http_port}/v1/completions"
+    results = []
+    start = time.perf_counter()
+    with httpx.Client(timeout=600) as http:
+        for p in prompts:
+            body = {"prompt": encoded[p.id], "max_tokens": p.max_tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}, "speculative": {"method": method, "k": k}}
+            tokens = 0
+            with http.stream("POST", url, json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"usage"' in line:
+                        tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+            results.append({"id": p.id, "tokens": tokens})
+    return sum(r["tokens"] for r in results), time.perf_counter() - start, results
 
 
 def run_bench_stack(args: argparse.Namespace) -> int:
@@ -76,7 +98,7 @@ def run_bench_stack(args: argparse.Namespace) -> int:
                                                                               eos_token_ids=target.eos_token_ids)))
     log_dir = Path(tempfile.mkdtemp(prefix="specd-bench-stack-"))
     print(f"starting the stack (logs in {log_dir})", file=sys.stderr, flush=True)
-    stack = start_stack(log_dir, k=args.k)
+    stack = start_stack(log_dir, k=args.k, http_port=free_port())
     tps: dict[str, list[float]] = defaultdict(list)
     ratio: dict[str, list[float]] = defaultdict(list)
     overhead: list[float] = []
@@ -108,6 +130,10 @@ def run_bench_stack(args: argparse.Namespace) -> int:
                         overhead.extend(r["rpc_overhead_ms_per_step"] for r in results)
                     run_tps[name] = tokens / seconds
                     print(f"run {run + 1}: {name:<24} {run_tps[name]:6.1f} tok/s", file=sys.stderr, flush=True)
+            tokens, seconds, _ = _http_phase(stack.http_port, prompts, encoded, "ngram", args.k)  # type: ignore[arg-type]
+            run_tps[f"http_ngram_k{args.k}_c1"] = tokens / seconds
+            print(f"run {run + 1}: {'http_ngram_k%d_c1' % args.k:<24} {run_tps[f'http_ngram_k{args.k}_c1']:6.1f} tok/s", file=sys.stderr, flush=True)
+            ratio["http_vs_grpc_streaming_ngram_c1"].append(run_tps[f"http_ngram_k{args.k}_c1"] / run_tps[f"stack_ngram_k{args.k}_c1"])
             for name, value in run_tps.items():
                 tps[name].append(value)
                 ratio[name].append(value / run_tps[HF_TARGET])
@@ -143,7 +169,7 @@ def render(report: dict) -> str:
         lines.append(f"| {name} | {value:.1f} | {report['ratios'].get(name, 0):.2f} |")
     lines.append("")
     for name, value in report["ratios"].items():
-        if name.endswith("_vs_c1"):
+        if "_vs_" in name:
             lines.append(f"- {name}: {value:.2f}x")
     lines.append(f"- RPC overhead per decoding step (both hops, median over requests): {report['rpc_overhead_ms_per_step_median']} ms")
     lines.append("- peak RSS (MB): " + ", ".join(f"{k} {v}" for k, v in report["peak_rss_mb"].items()))

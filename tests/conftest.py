@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
+import torch
 
 from specd.workloads import Prompt, default_prompts_path, load_prompts
 
@@ -35,3 +35,23 @@ def tiny_shared_vocab_draft(target, tmp_path_factory):
     folder = save_tiny_random_model(tmp_path_factory.mktemp("tiny-draft"), vocab_size=target.vocab_size,
                                     hidden_size=64, tokenizer_from=target.tokenizer, max_position_embeddings=8192)
     return load_model(str(folder))
+
+
+def hf_greedy(model, ids: list[int], n: int, exact_length: bool = False) -> list[int]:
+    """transformers' own target-only greedy decoding: the reference every exactness test uses."""
+    x = torch.tensor([ids])
+    extra = {"min_new_tokens": n} if exact_length else {}
+    with torch.inference_mode():
+        out = model.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                                   pad_token_id=min(model.eos_token_ids, default=0), **extra)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def references(target, workload_prompts) -> dict[str, tuple[list[int], list[int]]]:
+    """Per workload prompt: (prompt ids, target-only greedy ids at EXACTNESS_MAX_TOKENS)."""
+    refs = {}
+    for p in workload_prompts:
+        ids = target.encode(p.prompt, chat=p.chat)
+        refs[p.id] = (ids, hf_greedy(target, ids, min(p.max_tokens, EXACTNESS_MAX_TOKENS)))
+    return refs

@@ -5,14 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from coordinator.client import CoordinatorClient
 from specd.grpc_server import make_channel
 from specd.launcher import free_port, start_stack
 from specd.models import save_tiny_random_model
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.conftest import EXACTNESS_MAX_TOKENS
 
 
 @pytest.fixture(scope="session")
@@ -28,20 +26,6 @@ def stack(target, tmp_path_factory):
 def client(stack):
     with CoordinatorClient(stack.coordinator.address) as c:
         yield c
-
-
-@pytest.fixture(scope="session")
-def references(target, workload_prompts):
-    """Target-only greedy ids per workload prompt, from transformers' own generate()."""
-    refs = {}
-    for p in workload_prompts:
-        ids = target.encode(p.prompt, chat=p.chat)
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                        max_new_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS), pad_token_id=2)
-        refs[p.id] = (ids, out[0, len(ids):].tolist())
-    return refs
 
 
 def target_stats(stack) -> target_pb2.TargetStats:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-import torch
 
 
-from tests.conftest import EXACTNESS_MAX_TOKENS
+from tests.conftest import EXACTNESS_MAX_TOKENS, hf_greedy
 from tests.e2e.conftest import target_stats, wait_sessions_closed
 
 pytestmark = pytest.mark.slow
@@ -24,13 +23,6 @@ def oai(stack):
 @pytest.fixture(scope="module")
 def model_name(oai):
     return oai.models.list().data[0].id
-
-
-def greedy_reference(target, ids: list[int], n: int) -> list[int]:
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, pad_token_id=2)
-    return out[0, len(ids):].tolist()
 
 
 def test_models_lists_the_served_model(oai, model_name):
@@ -56,7 +48,7 @@ def test_completion_greedy_equals_target_only(oai, model_name, target, reference
 
 def test_chat_greedy_streamed_and_not_equal_target_only(oai, model_name, target):
     ids = target.encode(CHAT_PROMPT, chat=True)
-    expected = target.decode(greedy_reference(target, ids, 24))
+    expected = target.decode(hf_greedy(target, ids, 24))
     whole = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": CHAT_PROMPT}],
                                         max_tokens=24, temperature=0)
     assert whole.choices[0].message.content == expected

@@ -15,6 +15,7 @@ from specd.errors import InvalidArgument, PromptTooLong
 from specd.models import load_model, save_tiny_random_model
 from specd.sampling import SamplingParams
 from target_service.verifier import TargetModel
+from tests.conftest import hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +24,7 @@ def tiny(tmp_path_factory):
 
 
 def reference(model, ids: list[int], n: int) -> list[int]:
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        out = model.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return hf_greedy(model, ids, n, exact_length=True)
 
 
 def self_draft_engine(model, k: int) -> SpeculativeEngine:

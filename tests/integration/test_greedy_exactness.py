@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import make_proposer
@@ -12,20 +11,6 @@ from target_service.verifier import TargetModel
 from tests.conftest import EXACTNESS_MAX_TOKENS
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def references(target, workload_prompts):
-    """Target-only greedy ids per prompt, from transformers' own generate()."""
-    refs = {}
-    for p in workload_prompts:
-        ids = target.encode(p.prompt, chat=p.chat)
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                        max_new_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS), pad_token_id=2)
-        refs[p.id] = (ids, out[0, len(ids):].tolist())
-    return refs
 
 
 def _draft_for(method_label: str, target, tiny_draft):

@@ -1,0 +1,637 @@
+"""Speculation depth: how many draft tokens k (0..k_max) a session asks for at each step.
+
+The model. With per-token acceptance probability a (token i is accepted given tokens < i were),
+a step that drafts k tokens emits on average
+
+    E(k, a) = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)
+
+tokens (the accepted prefix plus the target's own recovered or bonus token). The step costs the
+draft's time for k tokens plus the target's time to verify a block of k + 1 positions; k = 0 is
+plain decoding (no draft call at all). The controller picks the k with the most expected tokens
+per millisecond, and k = 0 unless some k > 0 beats plain decoding by a margin, since a tie is
+better spent not drafting (draft compute, wire traffic, KV rollback).
+
+The pieces, each small and testable alone:
+
+- pure functions: `expected_tokens`, `depth_rates`, `best_depth`, `load_penalty`;
+- `AcceptanceEstimator`: per-session acceptance, a moving average per draft position;
+- `CostModel`: per-replica draft and verify costs measured online (one per target replica, shared
+  by its sessions);
+- `DepthController`: one per session; modes (auto, fixed, schedule), an acceptance floor,
+  hysteresis, and re-probing of disabled sessions; `make_controller` parses the CLI forms.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+__all__ = [
+    "AcceptanceEstimator",
+    "CostModel",
+    "DepthController",
+    "LoadSignal",
+    "best_depth",
+    "depth_rates",
+    "expected_tokens",
+    "load_penalty",
+    "make_controller",
+]
+
+Costs = Callable[[int], float] | Sequence[float]
+
+
+# ---------------------------------------------------------------------------------------------
+# The math
+# ---------------------------------------------------------------------------------------------
+
+
+def expected_tokens(k: int, alpha: float) -> float:
+    """Expected tokens emitted by one verify step with k draft tokens and acceptance `alpha`.
+
+    (1 - a^(k+1)) / (1 - a): the geometric sum 1 + a + ... + a^k, since draft token i counts only
+    if tokens 0..i were all accepted, and the target always adds one token of its own. k = 0 gives
+    1 (plain decoding), a = 1 gives k + 1 (everything accepted), a = 0 gives 1.
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    a = min(max(float(alpha), 0.0), 1.0)
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def _cost_list(costs: Costs, k_max: int) -> list[float]:
+    if callable(costs):
+        return [float(costs(k)) for k in range(k_max + 1)]
+    if len(costs) < k_max + 1:
+        raise ValueError(f"need costs for k = 0..{k_max}, got {len(costs)} values")
+    return [float(c) for c in costs[: k_max + 1]]
+
+
+def depth_rates(alpha: float, draft_cost_ms: Costs, verify_cost_ms: Costs, k_max: int) -> list[float]:
+    """Expected tokens per millisecond for every k in 0..k_max.
+
+    Both cost arguments are indexed by the depth k (a callable of k, or a sequence with entries
+    for k = 0..k_max): draft_cost_ms(k) is the draft's time to propose k tokens, verify_cost_ms(k)
+    the target's time to verify a block of depth k, i.e. k + 1 positions. The draft cost at k = 0
+    is taken as 0 whatever is passed, because a k = 0 step never calls the draft.
+    """
+    draft = _cost_list(draft_cost_ms, k_max)
+    verify = _cost_list(verify_cost_ms, k_max)
+    rates = []
+    for k in range(k_max + 1):
+        cost = verify[k] + (draft[k] if k > 0 else 0.0)
+        rates.append(expected_tokens(k, alpha) / cost if cost > 0 else math.inf)
+    return rates
+
+
+def best_depth(
+    alpha: float, draft_cost_ms: Costs, verify_cost_ms: Costs, k_max: int, margin: float = 0.05
+) -> tuple[int, float]:
+    """The depth with the most expected tokens per ms, and that rate: (k, tokens/ms).
+
+    Costs are indexed by depth as in `depth_rates`. k = 0 is returned unless the best k > 0 beats
+    plain decoding by at least `margin` (relative): a gain inside the noise of the estimates is not
+    worth the draft work and the wire traffic. Among equal rates the smaller k wins.
+    """
+    rates = depth_rates(alpha, draft_cost_ms, verify_cost_ms, k_max)
+    k = _argbest(rates, margin)
+    return k, rates[k]
+
+
+def _argbest(rates: Sequence[float], margin: float) -> int:
+    k = max(range(len(rates)), key=lambda i: (rates[i], -i))
+    return 0 if k > 0 and rates[k] < rates[0] * (1.0 + margin) else k
+
+
+@dataclass(frozen=True)
+class LoadSignal:
+    """A target replica's load, as its GetStats reports it (plus the replica's max batch size).
+
+    queue_depth: verify/prefill requests waiting for the model now.
+    open_sessions: sessions open on the replica.
+    batch_occupancy: mean verify batch size / max batch size, in [0, 1].
+    max_batch_size: most sessions one forward pass takes (0: unknown).
+    """
+
+    queue_depth: int = 0
+    open_sessions: int = 1
+    batch_occupancy: float = 0.0
+    max_batch_size: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        """Sessions expected to share this session's forward pass (at least 1)."""
+        b = max(self.open_sessions, 1)
+        if self.max_batch_size > 0:
+            b = max(min(b, self.max_batch_size), round(self.batch_occupancy * self.max_batch_size))
+        return max(int(b), 1)
+
+    @classmethod
+    def from_target_stats(cls, stats: Any, max_batch_size: int = 0) -> "LoadSignal":
+        """From a TargetStats message (or anything with its field names)."""
+        return cls(int(stats.queue_depth), int(stats.open_sessions), float(stats.batch_occupancy), max_batch_size)
+
+
+def load_penalty(load: LoadSignal | None) -> float:
+    """Multiplier (>= 1) on the verify cost of each extra (draft) position in a block.
+
+    Load lowers k through two channels, and this function is the second one.
+
+    1. The verify cost is looked up at the batch size the session shares (`LoadSignal.batch_size`)
+       in the measured cost model. In a batched pass every row is padded to the longest block, so
+       verify_ms(k + 1, b) is the time of the whole pass, and for b sessions sharing it the pool
+       emits b * E(k) tokens per pass: the pool's throughput and each session's tokens/ms are
+       maximized by the same k. On a compute-bound target the pass time grows with b times the
+       block length, so k falls by itself as b rises. The sessions in the pass need no extra term.
+    2. Requests in the queue are not in the pass: they wait for it to end and gain nothing from
+       this session's draft tokens. Each extra position lengthens the pass by d ms, which costs
+       each of the q queued requests d ms; the b sessions that share the pass split that bill.
+       So the marginal cost of an extra position is d * (1 + q / b). That is the penalty: zero
+       with an empty queue, and growing with the backlog exactly when the target is saturated
+       and rejected draft tokens spend compute that other requests are waiting for.
+    """
+    if load is None or load.queue_depth <= 0:
+        return 1.0
+    return 1.0 + load.queue_depth / load.batch_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance
+# ---------------------------------------------------------------------------------------------
+
+
+class AcceptanceEstimator:
+    """Per-session acceptance: an exponentially weighted estimate per draft position.
+
+    Each drafted step is a run of Bernoulli trials: position i is tried only if positions < i
+    were accepted, and it succeeds or fails; positions after the first rejection are not tried.
+    Counting them as failures (accepted / drafted) would bias the rate low for deep k; the
+    conditional rates c_i = P(accept i | accepted < i) do not.
+
+    Evidence is kept as decayed counts (successes s_i, trials n_i) per position, plus a prior of
+    `prior_weight` trials at rate `alpha0` so a new session starts sensibly. All counts decay by
+    `1 - 1/window` per step, including k = 0 steps: that ages old evidence without changing the
+    estimate, so the first observations after a pause (a re-probe) carry weight. Decay stops once
+    the total weight is down to `prior_weight`, so one probe cannot swing the estimate to 0 or 1.
+
+    `alpha` is the pooled rate (prior + sum s_i) / (prior + sum n_i): the mean of the per-position
+    rates weighted by their evidence, and the maximum-likelihood per-token rate of the geometric
+    model that `expected_tokens` assumes. `position_rates` shrinks each position toward it.
+    """
+
+    def __init__(self, alpha0: float = 0.5, prior_weight: float = 4.0, window: float = 32.0):
+        if not 0.0 <= alpha0 <= 1.0:
+            raise ValueError(f"alpha0 must be in [0, 1], got {alpha0}")
+        if prior_weight <= 0 or window < 1:
+            raise ValueError("prior_weight must be > 0 and window >= 1")
+        self.alpha0 = alpha0
+        self.prior_weight = prior_weight
+        self.decay = 1.0 - 1.0 / window
+        self._prior_s = alpha0 * prior_weight
+        self._prior_n = prior_weight
+        self.successes: list[float] = []
+        self.trials: list[float] = []
+        self.steps = 0
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Record one verify step: num_drafted proposed, the first num_accepted of them accepted."""
+        if num_drafted < 0 or not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"bad step: {num_accepted} accepted of {num_drafted} drafted")
+        self.steps += 1
+        if self._prior_n + sum(self.trials) > self.prior_weight:
+            self._prior_s *= self.decay
+            self._prior_n *= self.decay
+            self.successes = [s * self.decay for s in self.successes]
+            self.trials = [n * self.decay for n in self.trials]
+        tried = min(num_accepted + 1, num_drafted)  # positions 0..num_accepted, if drafted
+        if len(self.trials) < tried:
+            self.successes.extend([0.0] * (tried - len(self.trials)))
+            self.trials.extend([0.0] * (tried - len(self.trials)))
+        for i in range(tried):
+            self.trials[i] += 1.0
+            if i < num_accepted:
+                self.successes[i] += 1.0
+
+    @property
+    def alpha(self) -> float:
+        """The per-token acceptance rate to use in `expected_tokens`."""
+        return (self._prior_s + sum(self.successes)) / (self._prior_n + sum(self.trials))
+
+    @property
+    def weight(self) -> float:
+        """Effective number of trials behind `alpha` (prior included)."""
+        return self._prior_n + sum(self.trials)
+
+    @property
+    def position_rates(self) -> list[float]:
+        """Conditional acceptance per position, each shrunk toward `alpha` by `prior_weight` trials."""
+        a, w = self.alpha, self.prior_weight
+        return [(s + w * a) / (n + w) for s, n in zip(self.successes, self.trials)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs
+# ---------------------------------------------------------------------------------------------
+
+
+class _Mean:
+    """Running mean for the first `window` samples, then an exponential moving average."""
+
+    __slots__ = ("mean", "count")
+
+    def __init__(self, mean: float = 0.0, count: float = 0.0):
+        self.mean, self.count = mean, count
+
+    def add(self, x: float, window: float) -> None:
+        self.count += 1
+        self.mean += (x - self.mean) * max(1.0 / self.count, 1.0 / window)
+
+    def weight(self, window: float) -> float:
+        return min(self.count, window)
+
+
+def _fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Weighted least squares y = c + m (x - 1) over (x, y, weight); None with < 2 distinct x."""
+    if len({x for x, _, _ in points}) < 2:
+        return None
+    w = sum(p[2] for p in points)
+    mx = sum(x * wt for x, _, wt in points) / w
+    my = sum(y * wt for _, y, wt in points) / w
+    sxx = sum(wt * (x - mx) ** 2 for x, _, wt in points)
+    sxy = sum(wt * (x - mx) * (y - my) for x, y, wt in points)
+    slope = max(sxy / sxx, 0.0)  # cost never falls with more tokens; noise can say otherwise
+    return my - slope * (mx - 1.0), slope
+
+
+class CostModel:
+    """Draft and verify costs of one replica pair, measured online.
+
+    verify_ms(n, b): a line in the block length n per batch size b, fitted by weighted least
+    squares to the moving means of the (b, n) cells observed. With one cell at b, the prior's
+    slope is scaled to the cell's level. Batch sizes never observed take their line from the
+    observed ones: interpolated between the two around b, and outside them from the nearest
+    one, scaled by how the prior grows between the two batch sizes (shape from the prior, level
+    from the data). With no observations at all, the prior:
+
+        verify(n, b) = verify_ms * (1 + batch_growth (b - 1)) + per_token_ms * (n - 1) * b
+
+    a fixed pass cost that grows slowly with the batch (weights are read once per pass; on this
+    project's CPU machines a batch of 8 costs about twice one row) and a cost per extra position
+    and row (compute). draft_ms(k): a line in k through the observed k (proportional to k with one
+    point), else `draft_per_token_ms * k`; 0 at k = 0. Means become moving averages after `window`
+    samples so the model follows drift (thermal throttling, neighbours, cache growth).
+
+    One instance serves all sessions on a replica, from their threads: a lock guards it.
+    """
+
+    def __init__(
+        self,
+        verify_ms: float = 30.0,
+        per_token_ms: float = 5.0,
+        batch_growth: float = 1.0 / 7.0,
+        draft_per_token_ms: float = 0.0,
+        window: float = 64.0,
+    ):
+        self.prior_verify_ms = verify_ms
+        self.prior_per_token_ms = per_token_ms
+        self.prior_batch_growth = batch_growth
+        self.prior_draft_per_token_ms = draft_per_token_ms
+        self.window = window
+        self._verify: dict[int, dict[int, _Mean]] = {}
+        self._draft: dict[int, _Mean] = {}
+        self._lines: dict[int, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    # observations
+
+    def observe_verify(self, batch_size: int, block_length: int, ms: float) -> None:
+        """One verify pass of `batch_size` rows padded to `block_length` positions took `ms`."""
+        if batch_size < 1 or block_length < 1 or not ms >= 0:
+            return  # a malformed report should not poison the model
+        with self._lock:
+            self._verify.setdefault(batch_size, {}).setdefault(block_length, _Mean()).add(ms, self.window)
+            self._lines.clear()
+
+    def observe_draft(self, k: int, ms: float) -> None:
+        """Proposing k tokens took `ms` (k = 0 steps never call the draft and are ignored)."""
+        if k >= 1 and ms >= 0:
+            with self._lock:
+                self._draft.setdefault(k, _Mean()).add(ms, self.window)
+
+    def seed_from_stats(self, rows: Iterable[Any]) -> None:
+        """Seed from a target's GetStats verify_latency table.
+
+        Rows are (batch_size, block_length, count, mean_ms) tuples or VerifyLatency messages. A
+        seeded cell counts as `count` samples (capped at the window), so fresh observations blend in.
+        """
+        for row in rows:
+            if isinstance(row, (tuple, list)):
+                b, n, count, mean = row
+            else:
+                b, n, count, mean = row.batch_size, row.block_length, row.count, row.mean_ms
+            if int(b) >= 1 and int(n) >= 1 and int(count) > 0 and float(mean) >= 0:
+                cell = _Mean(float(mean), float(min(int(count), self.window)))
+                with self._lock:
+                    self._verify.setdefault(int(b), {})[int(n)] = cell
+                    self._lines.clear()
+
+    # estimates
+
+    def _prior_line(self, b: int) -> tuple[float, float]:
+        return self.prior_verify_ms * (1.0 + self.prior_batch_growth * (b - 1)), self.prior_per_token_ms * b
+
+    def _observed_line(self, b: int) -> tuple[float, float]:
+        cells = self._verify[b]
+        line = _fit_line([(n, c.mean, c.weight(self.window)) for n, c in cells.items()])
+        if line is not None:
+            return line
+        (n, cell), = cells.items()
+        c0, m0 = self._prior_line(b)
+        scale = cell.mean / (c0 + m0 * (n - 1)) if c0 + m0 * (n - 1) > 0 else 1.0
+        slope = m0 * scale
+        return cell.mean - slope * (n - 1), slope
+
+    def _line(self, b: int) -> tuple[float, float]:
+        """(cost at block length 1, cost per extra position) at batch size b."""
+        if b in self._lines:
+            return self._lines[b]
+        seen = sorted(self._verify)
+        if not seen:
+            line = self._prior_line(b)
+        elif b in self._verify:
+            line = self._observed_line(b)
+        else:
+            lo = max((s for s in seen if s < b), default=None)
+            hi = min((s for s in seen if s > b), default=None)
+            if lo is not None and hi is not None:
+                (c_lo, m_lo), (c_hi, m_hi) = self._observed_line(lo), self._observed_line(hi)
+                t = (b - lo) / (hi - lo)
+                line = (c_lo + t * (c_hi - c_lo), m_lo + t * (m_hi - m_lo))
+            else:
+                near = lo if lo is not None else hi
+                assert near is not None
+                (c, m), (pc, pm), (qc, qm) = self._observed_line(near), self._prior_line(near), self._prior_line(b)
+                line = (c * qc / pc, m * qm / pm if pm > 0 else m)
+        self._lines[b] = line
+        return line
+
+    def verify_ms(self, block_length: int, batch_size: int = 1) -> float:
+        """Estimated time of a verify pass over `batch_size` rows of `block_length` positions."""
+        with self._lock:
+            intercept, slope = self._line(max(int(batch_size), 1))
+        return max(intercept + slope * (max(block_length, 1) - 1), 1e-3)
+
+    def draft_ms(self, k: int) -> float:
+        """Estimated time for the draft to propose k tokens (0 for k = 0)."""
+        if k <= 0:
+            return 0.0
+        with self._lock:
+            points = [(float(j), c.mean, c.weight(self.window)) for j, c in self._draft.items()]
+        if not points:
+            return self.prior_draft_per_token_ms * k
+        line = _fit_line(points)
+        if line is None:
+            j, mean, _ = points[0]
+            return mean * k / j
+        c, m = line  # c is the cost at k = 1
+        return max(c + m * (k - 1), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-session controller
+# ---------------------------------------------------------------------------------------------
+
+MODES = ("auto", "fixed", "schedule")
+
+
+class DepthController:
+    """Chooses k for one session, step by step.
+
+    Modes: "auto" (the policy above, with the replica's `CostModel` and the session's
+    `AcceptanceEstimator`), "fixed" (always `fixed_k`), "schedule" (a table batch size -> k; the
+    entry with the largest key <= the current batch size, the smallest key's entry below all keys).
+    In every mode an estimated acceptance below `floor` turns speculation off.
+
+    Hysteresis (auto and schedule): the policy's choice replaces the current k only if it beats it
+    by `switch_margin` in expected tokens/ms (auto only), or if the choice has been on the same
+    side of the current k (all higher or all lower) for `switch_after` consecutive steps. Near a
+    decision boundary the rates of neighbouring depths are nearly equal, so noise there costs
+    little throughput, while switching back and forth does cost (pipelines and caches restart).
+    Turning off for the floor is immediate.
+
+    Re-probing: while the session sits at k = 0, nothing about acceptance is learnt. Every
+    `probe_interval` steps it drafts `probe_k` tokens once; if acceptance still does not pay, the
+    interval doubles, up to `probe_max_interval`, and it resets when speculation comes back. A
+    session probes only when k = 0 is down to acceptance: when good acceptance would not pay
+    either (load, costs, a schedule entry of 0), there is nothing to learn. Between probes a k = 0
+    session does no draft work.
+
+    Use: `k = choose(load)`, run the step with k, then `observe(k, accepted, draft_ms, verify_ms,
+    batch_size)`. `history` lists the k chosen at each step.
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        cost_model: CostModel | None = None,
+        *,
+        mode: str = "auto",
+        fixed_k: int | None = None,
+        schedule: Mapping[int, int] | None = None,
+        floor: float = 0.0,
+        margin: float = 0.05,
+        switch_margin: float = 0.10,
+        switch_after: int = 12,
+        probe_interval: int = 16,
+        probe_max_interval: int = 128,
+        probe_k: int = 2,
+        probe_alpha: float = 0.9,
+        estimator: AcceptanceEstimator | None = None,
+    ):
+        if k_max < 0:
+            raise ValueError(f"k_max must be >= 0, got {k_max}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "fixed" and (fixed_k is None or not 0 <= fixed_k <= k_max):
+            raise ValueError(f"fixed mode needs 0 <= fixed_k <= k_max = {k_max}, got {fixed_k}")
+        if mode == "schedule":
+            if not schedule:
+                raise ValueError("schedule mode needs a non-empty schedule")
+            bad = {b: k for b, k in schedule.items() if b < 0 or not 0 <= k <= k_max}
+            if bad:
+                raise ValueError(f"schedule entries need batch size >= 0 and 0 <= k <= {k_max}: {bad}")
+        if not 0.0 <= floor < 1.0:
+            raise ValueError(f"floor must be in [0, 1), got {floor}")
+        if probe_interval < 1 or probe_max_interval < probe_interval:
+            raise ValueError("need 1 <= probe_interval <= probe_max_interval")
+        self.k_max = k_max
+        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self.mode = mode
+        self.fixed_k = fixed_k
+        self.schedule = dict(sorted(schedule.items())) if schedule else {}
+        self.floor = floor
+        self.margin = margin
+        self.switch_margin = switch_margin
+        self.switch_after = switch_after
+        self.probe_interval = probe_interval
+        self.probe_max_interval = probe_max_interval
+        self.probe_k = min(max(probe_k, 1), k_max) if k_max > 0 else 0
+        self.probe_alpha = probe_alpha
+        self.estimator = estimator if estimator is not None else AcceptanceEstimator()
+        self.k: int | None = None  # the committed depth (a probe step does not change it)
+        self.history: list[int] = []
+        self.batch_size = 1  # of the last verify pass, used when choose() gets no load
+        self._pending_side = 0
+        self._pending_steps = 0
+        self._interval = probe_interval
+        self._idle_steps = 0
+        self._probed = False
+
+    # the policy, before hysteresis
+
+    def _rates(self, alpha: float, load: LoadSignal | None) -> list[float]:
+        b = load.batch_size if load is not None else self.batch_size
+        penalty = load_penalty(load)
+        cm = self.cost_model
+        base = cm.verify_ms(1, b)
+        verify = [base + penalty * (cm.verify_ms(k + 1, b) - base) for k in range(self.k_max + 1)]
+        return depth_rates(alpha, cm.draft_ms, verify, self.k_max)
+
+    def _policy(self, alpha: float, load: LoadSignal | None) -> int:
+        """The mode's choice for acceptance `alpha`, ignoring the floor."""
+        if self.k_max == 0:
+            return 0
+        if self.mode == "fixed":
+            return int(self.fixed_k)  # type: ignore[arg-type]
+        if self.mode == "schedule":
+            b = load.batch_size if load is not None else self.batch_size
+            keys = [key for key in self.schedule if key <= b]
+            return self.schedule[keys[-1] if keys else next(iter(self.schedule))]
+        return _argbest(self._rates(alpha, load), self.margin)
+
+    def target(self, load: LoadSignal | None = None) -> int:
+        """The depth the policy wants now (floor included, hysteresis and probing not)."""
+        alpha = self.estimator.alpha
+        if alpha < self.floor:
+            return 0
+        return self._policy(alpha, load)
+
+    # the step API
+
+    def choose(self, load: LoadSignal | None = None) -> int:
+        """The depth for the next step."""
+        target = self.target(load)
+        if self._probed:  # the step before was a probe: judge it
+            self._probed = False
+            self._interval = self.probe_interval if target > 0 else min(self._interval * 2, self.probe_max_interval)
+        if self.k is None or self.mode == "fixed":
+            self._commit(target)
+        elif target == self.k:
+            self._pending_side = self._pending_steps = 0
+        elif target == 0 and self.estimator.alpha < self.floor:
+            self._commit(0)
+        else:
+            side = 1 if target > self.k else -1
+            self._pending_steps = self._pending_steps + 1 if side == self._pending_side else 1
+            self._pending_side = side
+            better = False
+            if self.mode == "auto":
+                rates = self._rates(self.estimator.alpha, load)
+                better = rates[target] > rates[self.k] * (1.0 + self.switch_margin)
+            if better or self._pending_steps >= self.switch_after:
+                self._commit(target)
+        k = self.k
+        assert k is not None
+        if k == 0 and self.k_max > 0:
+            self._idle_steps += 1
+            optimistic = max(self.estimator.alpha, self.probe_alpha)
+            if self._idle_steps >= self._interval and self._policy(optimistic, load) > 0:
+                self._idle_steps = 0
+                self._probed = True
+                k = self.probe_k
+        self.history.append(k)
+        return k
+
+    def _commit(self, k: int) -> None:
+        if k != self.k:
+            if k > 0:
+                self._interval = self.probe_interval
+            self._idle_steps = 0
+        self.k = k
+        self._pending_side = self._pending_steps = 0
+
+    def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int) -> None:
+        """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size."""
+        self.estimator.update(k, num_accepted)
+        if k > 0:
+            self.cost_model.observe_draft(k, draft_ms)
+        self.cost_model.observe_verify(batch_size, k + 1, verify_ms)
+        self.batch_size = max(int(batch_size), 1)
+
+
+
+def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None) -> DepthController:
+    """A controller from its CLI form.
+
+        auto                          the policy
+        4                             fixed k = 4
+        schedule:1=8,4=4,8=2,16=0     k by batch size (largest key <= the current batch size)
+
+    each optionally followed by ",floor=A" (acceptance below A turns speculation off), e.g.
+    "auto,floor=0.2" or "schedule:1=8,8=2,floor=0.3". Raises ValueError naming the problem.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError("depth spec is empty; expected 'auto', an integer k, or 'schedule:B=K,...'")
+    parts = [p.strip() for p in spec.strip().split(",")]
+    floor = 0.0
+    floors = [p for p in parts if p.lower().startswith("floor=")]
+    if len(floors) > 1:
+        raise ValueError(f"depth spec {spec!r}: floor given more than once")
+    if floors:
+        if parts[-1] is not floors[0]:
+            raise ValueError(f"depth spec {spec!r}: floor=... must come last")
+        parts.pop()
+        value = floors[0].split("=", 1)[1]
+        try:
+            floor = float(value)
+        except ValueError:
+            raise ValueError(f"depth spec {spec!r}: floor {value!r} is not a number") from None
+        if not 0.0 <= floor < 1.0:
+            raise ValueError(f"depth spec {spec!r}: floor {floor} is not in [0, 1)")
+    head, rest = parts[0], parts[1:]
+    if head.lower() == "auto":
+        if rest:
+            raise ValueError(f"depth spec {spec!r}: unexpected {','.join(rest)!r} after 'auto'")
+        return DepthController(k_max, cost_model, mode="auto", floor=floor)
+    if head.lower().startswith("schedule:"):
+        entries = [head.split(":", 1)[1]] + rest
+        table: dict[int, int] = {}
+        for entry in entries:
+            key, eq, value = entry.partition("=")
+            try:
+                b, k = int(key), int(value)
+            except ValueError:
+                raise ValueError(f"depth spec {spec!r}: schedule entry {entry!r} is not BATCH=K") from None
+            if not eq or b < 0:
+                raise ValueError(f"depth spec {spec!r}: schedule entry {entry!r} is not BATCH=K with BATCH >= 0")
+            if b in table:
+                raise ValueError(f"depth spec {spec!r}: schedule has batch size {b} twice")
+            if not 0 <= k <= k_max:
+                raise ValueError(f"depth spec {spec!r}: schedule k {k} for batch size {b} is not in 0..{k_max}")
+            table[b] = k
+        return DepthController(k_max, cost_model, mode="schedule", schedule=table, floor=floor)
+    try:
+        k = int(head)
+    except ValueError:
+        raise ValueError(
+            f"depth spec {spec!r}: unknown mode {head!r}; expected 'auto', an integer k, or 'schedule:B=K,...'"
+        ) from None
+    if rest:
+        raise ValueError(f"depth spec {spec!r}: unexpected {','.join(rest)!r} after k = {k}")
+    if not 0 <= k <= k_max:
+        raise ValueError(f"depth spec {spec!r}: k {k} is not in 0..{k_max} (k_max)")
+    return DepthController(k_max, cost_model, mode="fixed", fixed_k=k, floor=floor)

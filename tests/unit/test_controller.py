@@ -1,0 +1,355 @@
+"""The depth controller against a simulated target: no model, no network, pure Python and numpy."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from coordinator.controller import (
+    AcceptanceEstimator,
+    CostModel,
+    DepthController,
+    LoadSignal,
+    best_depth,
+    depth_rates,
+    expected_tokens,
+    load_penalty,
+    make_controller,
+)
+
+K_MAX = 8
+
+
+def simulated_verify_ms(block_length: int, batch_size: int) -> float:
+    """A compute-bound target: 30 ms per pass growing 1/7 per extra row, 4 ms per extra position and row."""
+    return 30.0 * (1 + (batch_size - 1) / 7) + 4.0 * (block_length - 1) * batch_size
+
+
+def simulated_cost_model() -> CostModel:
+    cm = CostModel()
+    for b in (1, 2, 4, 8, 16):
+        for n in (1, 3, 5, 9):
+            cm.observe_verify(b, n, simulated_verify_ms(n, b))
+    return cm
+
+
+def run_session(controller: DepthController, alphas, seed: int = 0, load: LoadSignal | None = None) -> list[int]:
+    """Drive `controller` for len(alphas) steps with Bernoulli acceptance alphas[t] at step t."""
+    rng = np.random.default_rng(seed)
+    for a in alphas:
+        k = controller.choose(load)
+        accepted = 0
+        while accepted < k and rng.random() < a:
+            accepted += 1
+        b = load.batch_size if load is not None else 1
+        controller.observe(k, accepted, 0.0, simulated_verify_ms(k + 1, b), b)
+    return controller.history
+
+
+def changes(history: list[int]) -> int:
+    return sum(1 for x, y in zip(history, history[1:]) if x != y)
+
+
+# expected_tokens -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 9])
+def test_expected_tokens_closed_forms(k: int) -> None:
+    assert expected_tokens(k, 0.0) == 1.0
+    assert expected_tokens(k, 1.0) == k + 1
+    assert expected_tokens(0, 0.7) == 1.0
+    assert expected_tokens(k, 0.5) == pytest.approx(sum(0.5**i for i in range(k + 1)))
+
+
+@pytest.mark.parametrize("k,alpha", [(3, 0.6), (8, 0.85), (5, 0.3)])
+def test_expected_tokens_matches_monte_carlo(k: int, alpha: float) -> None:
+    rng = np.random.default_rng(1)
+    accepted = np.cumprod(rng.random((40_000, k)) < alpha, axis=1).sum(axis=1)
+    assert expected_tokens(k, alpha) == pytest.approx(1 + accepted.mean(), rel=0.02)
+
+
+def test_expected_tokens_rejects_negative_k() -> None:
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        expected_tokens(-1, 0.5)
+
+
+# best_depth ----------------------------------------------------------------------------------
+
+
+def verify_b1(k: int) -> float:
+    return 30.0 + 4.0 * k  # block of depth k = k + 1 positions
+
+
+def test_best_depth_low_acceptance_is_zero() -> None:
+    for alpha in (0.0, 0.05, 0.15):
+        assert best_depth(alpha, lambda k: 0.0, verify_b1, K_MAX)[0] == 0
+
+
+def test_best_depth_high_acceptance_goes_deep() -> None:
+    assert best_depth(0.9, lambda k: 0.0, verify_b1, K_MAX)[0] == K_MAX
+    # Reported in the hand-off note: alpha 0.3 / 0.6 / 0.9 at batch 1, free drafts.
+    assert [best_depth(a, lambda k: 0.0, verify_b1, K_MAX)[0] for a in (0.3, 0.6, 0.9)] == [1, 3, 8]
+
+
+def test_best_depth_sequences_match_callables_and_ignore_draft_cost_at_zero() -> None:
+    draft = [99.0] + [2.0 * k for k in range(1, K_MAX + 1)]  # the 99 at k = 0 must not count
+    verify = [verify_b1(k) for k in range(K_MAX + 1)]
+    k, rate = best_depth(0.7, draft, verify, K_MAX)
+    assert (k, rate) == best_depth(0.7, lambda j: 2.0 * j, verify_b1, K_MAX)
+    assert rate == pytest.approx(max(depth_rates(0.7, draft, verify, K_MAX)))
+    with pytest.raises(ValueError, match="need costs"):
+        best_depth(0.7, draft[:3], verify, K_MAX)
+
+
+def test_best_depth_margin_keeps_plain_decoding_on_a_near_tie() -> None:
+    # alpha 0.2: k = 1 is 5.9% better than plain decoding.
+    assert best_depth(0.2, lambda k: 0.0, verify_b1, K_MAX, margin=0.05)[0] == 1
+    k, rate = best_depth(0.2, lambda k: 0.0, verify_b1, K_MAX, margin=0.10)
+    assert k == 0 and rate == pytest.approx(1 / 30)
+
+
+def test_expensive_draft_lowers_depth() -> None:
+    free = best_depth(0.8, lambda k: 0.0, verify_b1, K_MAX)[0]
+    costly = best_depth(0.8, lambda k: 8.0 * k, verify_b1, K_MAX)[0]
+    assert 0 < costly < free
+
+
+# load ----------------------------------------------------------------------------------------
+
+
+def test_load_penalty() -> None:
+    assert load_penalty(None) == 1.0
+    assert load_penalty(LoadSignal(0, 16, 1.0, 16)) == 1.0
+    assert load_penalty(LoadSignal(8, 16, 1.0, 16)) == pytest.approx(1.5)
+    assert load_penalty(LoadSignal(8, 4, 0.25, 16)) > load_penalty(LoadSignal(8, 16, 1.0, 16))
+    assert LoadSignal(0, 40, 1.0, 16).batch_size == 16
+    assert LoadSignal(0, 2, 0.5, 16).batch_size == 8
+    stats = SimpleNamespace(queue_depth=3, open_sessions=5, batch_occupancy=0.25)
+    assert LoadSignal.from_target_stats(stats, 8) == LoadSignal(3, 5, 0.25, 8)
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.8, 0.9])
+def test_rising_load_lowers_k(alpha: float) -> None:
+    controller = DepthController(K_MAX, simulated_cost_model(), estimator=AcceptanceEstimator(alpha0=alpha))
+    sweep = [LoadSignal(0, n, n / 16, 16) for n in (1, 2, 3, 4, 6, 8, 12, 16)]
+    sweep += [LoadSignal(q, 16, 1.0, 16) for q in (1, 4, 8, 16, 32, 64)]
+    ks = [controller.target(load) for load in sweep]
+    assert all(a >= b for a, b in zip(ks, ks[1:])), ks
+    assert ks[0] >= 3 and ks[-1] == 0, ks
+
+
+def test_sustained_load_lowers_the_chosen_k() -> None:
+    controller = DepthController(K_MAX, simulated_cost_model())
+    history = run_session(controller, [0.9] * 150, load=LoadSignal(0, 1, 1 / 16, 16))
+    assert history[-1] >= 6
+    history = run_session(controller, [0.9] * 50, load=LoadSignal(0, 12, 0.75, 16))
+    assert 0 < history[-1] <= 3
+
+
+# acceptance ----------------------------------------------------------------------------------
+
+
+def test_estimator_prior_and_conditional_rates() -> None:
+    est = AcceptanceEstimator(alpha0=0.5, prior_weight=4, window=10_000)
+    assert est.alpha == 0.5 and est.position_rates == []
+    rng = np.random.default_rng(2)
+    for _ in range(3000):
+        accepted = int(np.cumprod(rng.random(6) < 0.7).sum())
+        est.update(6, accepted)
+    # accepted / drafted would say about 0.40 here; the conditional estimate recovers 0.7.
+    assert est.alpha == pytest.approx(0.7, abs=0.02)
+    assert len(est.position_rates) == 6
+    assert all(r == pytest.approx(0.7, abs=0.06) for r in est.position_rates)
+
+
+def test_estimator_tracks_and_ages() -> None:
+    est = AcceptanceEstimator(window=16)
+    for _ in range(100):
+        est.update(4, 4)
+    assert est.alpha > 0.95
+    for _ in range(100):
+        est.update(4, 0)
+    assert est.alpha < 0.1
+    before, weight = est.alpha, est.weight
+    for _ in range(200):  # k = 0 steps: the estimate stays, its weight fades to the prior's
+        est.update(0, 0)
+    assert est.alpha == pytest.approx(before)
+    assert est.weight < weight and est.weight == pytest.approx(est.prior_weight, rel=0.1)
+    with pytest.raises(ValueError):
+        est.update(2, 3)
+
+
+# costs ---------------------------------------------------------------------------------------
+
+
+def test_cost_model_prior() -> None:
+    cm = CostModel(verify_ms=30, per_token_ms=5)
+    assert cm.verify_ms(1, 1) == pytest.approx(30)
+    assert cm.verify_ms(5, 1) == pytest.approx(50)
+    assert cm.verify_ms(1, 8) == pytest.approx(60)  # a batch of 8 costs about twice one row
+    assert cm.draft_ms(0) == 0.0 and cm.draft_ms(4) == 0.0
+    assert CostModel(draft_per_token_ms=3).draft_ms(4) == pytest.approx(12)
+
+
+def test_cost_model_fits_interpolates_extrapolates() -> None:
+    cm = CostModel()
+    for b, slope in ((1, 2.0), (4, 8.0)):
+        for n in (1, 5):
+            cm.observe_verify(b, n, 40.0 + slope * (n - 1))
+    assert cm.verify_ms(3, 1) == pytest.approx(44.0)
+    assert cm.verify_ms(9, 4) == pytest.approx(104.0)
+    assert cm.verify_ms(9, 2) == pytest.approx(40.0 + 4.0 * 8)  # between b = 1 and 4
+    assert cm.verify_ms(9, 16) > cm.verify_ms(9, 4)  # beyond: the prior's growth on top of b = 4
+    one = CostModel(verify_ms=30, per_token_ms=5)
+    one.observe_verify(1, 1, 60.0)  # one cell: the prior's shape at the cell's level
+    assert one.verify_ms(1, 1) == pytest.approx(60.0) and one.verify_ms(3, 1) == pytest.approx(80.0)
+
+
+def test_cost_model_tracks_drift_and_ignores_garbage() -> None:
+    cm = CostModel(window=16)
+    for _ in range(100):
+        cm.observe_verify(1, 1, 30.0)
+    for _ in range(100):
+        cm.observe_verify(1, 1, 60.0)
+    assert cm.verify_ms(1, 1) == pytest.approx(60.0, rel=0.01)
+    cm.observe_verify(0, 1, 5.0)
+    cm.observe_verify(1, 1, float("nan"))
+    assert cm.verify_ms(1, 1) == pytest.approx(60.0, rel=0.01)
+
+
+def test_cost_model_draft_fit() -> None:
+    cm = CostModel()
+    cm.observe_draft(4, 20.0)
+    assert cm.draft_ms(2) == pytest.approx(10.0)  # one point: proportional to k
+    cm.observe_draft(1, 8.0)
+    assert cm.draft_ms(7) == pytest.approx(8.0 + 4.0 * 6)  # a line: 4 ms fixed + 4 ms a token
+    cm.observe_draft(0, 100.0)
+    assert cm.draft_ms(0) == 0.0
+
+
+def test_cost_model_seed_from_stats() -> None:
+    cm = CostModel()
+    cm.seed_from_stats([(1, 1, 10, 25.0), (1, 5, 10, 45.0)])
+    cm.seed_from_stats([SimpleNamespace(batch_size=8, block_length=1, count=3, mean_ms=50.0),
+                        SimpleNamespace(batch_size=8, block_length=3, count=3, mean_ms=90.0)])
+    assert cm.verify_ms(3, 1) == pytest.approx(35.0)
+    assert cm.verify_ms(5, 8) == pytest.approx(130.0)
+    cm.observe_verify(1, 1, 35.0)  # a live sample blends in as 1 of 11
+    assert 25.0 < cm.verify_ms(1, 1) < 27.0
+
+
+# the controller ------------------------------------------------------------------------------
+
+
+def test_low_acceptance_gives_zero_and_high_gives_deep() -> None:
+    low = run_session(DepthController(K_MAX, simulated_cost_model()), [0.05] * 100)
+    assert low[-1] == 0 and low[50:].count(0) >= 45
+    high = run_session(DepthController(K_MAX, simulated_cost_model()), [0.95] * 100)
+    assert high[-1] >= 7
+
+
+def test_k_does_not_flap_near_a_boundary() -> None:
+    # alpha 0.6 sits on the k = 2 / k = 3 boundary at batch 1 (see the histogram in the note).
+    steady = run_session(DepthController(K_MAX, simulated_cost_model()), [0.6] * 500, seed=3)
+    naive = run_session(DepthController(K_MAX, simulated_cost_model(), switch_after=1, switch_margin=0.0),
+                        [0.6] * 500, seed=3)
+    assert set(steady[100:]) <= {2, 3}
+    assert changes(steady) <= 10
+    assert changes(naive) >= 3 * changes(steady)
+
+
+def test_disabled_session_comes_back() -> None:
+    controller = DepthController(K_MAX, simulated_cost_model())
+    history = run_session(controller, [0.05] * 200 + [0.9] * 300, seed=4)
+    low = history[:200]
+    assert low.count(0) >= 150
+    # at k = 0 only probes draft, and they are spaced by at least probe_interval steps
+    probes = [t for t in range(40, 200) if low[t] > 0]
+    assert all(b - a >= controller.probe_interval for a, b in zip(probes, probes[1:]))
+    back = next(t for t in range(200, 500) if history[t] > 0 and history[t + 1] > 0)
+    assert back - 200 <= controller.probe_max_interval + 16
+    assert history[-1] >= 6
+
+
+def test_no_probes_when_load_alone_rules_out_speculation() -> None:
+    heavy = LoadSignal(32, 16, 1.0, 16)
+    history = run_session(DepthController(K_MAX, simulated_cost_model()), [0.9] * 200, load=heavy)
+    assert history.count(0) == 200
+
+
+def test_fixed_mode() -> None:
+    controller = DepthController(K_MAX, simulated_cost_model(), mode="fixed", fixed_k=4)
+    history = run_session(controller, [0.05] * 50 + [0.9] * 50, load=LoadSignal(32, 16, 1.0, 16))
+    assert history == [4] * 100
+
+
+def test_schedule_mode_picks_by_batch_size() -> None:
+    table = {1: 8, 4: 4, 8: 2, 16: 0}
+    for open_sessions, expected in ((1, 8), (3, 8), (4, 4), (7, 4), (8, 2), (15, 2), (16, 0), (40, 0)):
+        controller = DepthController(K_MAX, mode="schedule", schedule=table)
+        load = LoadSignal(0, open_sessions, 0.0, 16)
+        assert run_session(controller, [0.8] * 5, load=load) == [expected] * 5
+    below_all = DepthController(K_MAX, mode="schedule", schedule={4: 3, 8: 1})
+    assert below_all.choose(LoadSignal(0, 1, 0.0, 16)) == 3
+    # batch size from the last observation when no load is given, switching after the hysteresis
+    controller = DepthController(K_MAX, mode="schedule", schedule=table)
+    assert controller.choose() == 8
+    for _ in range(controller.switch_after):
+        controller.observe(8, 8, 0.0, 30.0, batch_size=9)
+        controller.choose()
+    assert controller.history[-1] == 2
+
+
+@pytest.mark.parametrize("mode,kwargs", [("auto", {}), ("fixed", {"fixed_k": 4}),
+                                         ("schedule", {"schedule": {1: 6}})])
+def test_floor_turns_speculation_off(mode: str, kwargs: dict) -> None:
+    controller = DepthController(K_MAX, simulated_cost_model(), mode=mode, floor=0.5, **kwargs)
+    history = run_session(controller, [0.9] * 30 + [0.3] * 200, seed=5)
+    assert history[29] > 0
+    assert history[-100:].count(0) >= 90  # off, apart from the probes
+
+
+def test_k_max_zero_never_speculates() -> None:
+    history = run_session(DepthController(0, simulated_cost_model()), [0.99] * 50)
+    assert history == [0] * 50
+
+
+# make_controller -----------------------------------------------------------------------------
+
+
+def test_make_controller_forms() -> None:
+    cm = simulated_cost_model()
+    auto = make_controller("auto", K_MAX, cm)
+    assert auto.mode == "auto" and auto.floor == 0.0 and auto.cost_model is cm
+    assert make_controller(" auto, floor=0.2 ", K_MAX, cm).floor == pytest.approx(0.2)
+    fixed = make_controller("4", K_MAX, cm)
+    assert fixed.mode == "fixed" and fixed.fixed_k == 4 and fixed.choose() == 4
+    assert make_controller("0", K_MAX, cm).choose() == 0
+    sched = make_controller("schedule:1=8,4=4,8=2,16=0,floor=0.3", K_MAX, cm)
+    assert sched.mode == "schedule" and sched.schedule == {1: 8, 4: 4, 8: 2, 16: 0}
+    assert sched.floor == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("spec,problem", [
+    ("", "empty"),
+    ("fast", "unknown mode 'fast'"),
+    ("-1", "not in 0..8"),
+    ("9", "not in 0..8"),
+    ("auto,3", "unexpected '3'"),
+    ("4,8", "unexpected '8'"),
+    ("auto,floor=x", "floor 'x' is not a number"),
+    ("auto,floor=1.5", "floor 1.5 is not in"),
+    ("auto,floor=0.1,floor=0.2", "more than once"),
+    ("floor=0.2,auto", "must come last"),
+    ("schedule:", "is not BATCH=K"),
+    ("schedule:1=8,4", "'4' is not BATCH=K"),
+    ("schedule:1=8,1=4", "batch size 1 twice"),
+    ("schedule:1=12", "k 12 for batch size 1 is not in 0..8"),
+    ("schedule:-2=1", "BATCH >= 0"),
+])
+def test_make_controller_rejects_bad_specs(spec: str, problem: str) -> None:
+    with pytest.raises(ValueError) as info:
+        make_controller(spec, K_MAX, CostModel())
+    assert problem in str(info.value)
