@@ -37,7 +37,7 @@ def start_target(cfg: TargetConfig) -> ServerHandle:
     from target_service.server import SERVICE_NAME, TargetServicer, register
 
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-    servicer = TargetServicer(model, cfg.max_sessions, cfg.max_batch_size, cfg.batch_wait_ms)
+    servicer = TargetServicer(model, cfg.max_sessions, cfg.max_batch_size, cfg.batch_wait_ms, cfg.session_ttl_s)
     handle = build_server(cfg, register(servicer), [SERVICE_NAME])
     handle.add_drain_hook(servicer.drain)
     handle.servicer = servicer  # type: ignore[attr-defined]

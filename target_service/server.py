@@ -24,8 +24,13 @@ SERVICE_NAME = "specdec.v1.TargetService"
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, model: LoadedModel, max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 5.0):
+    def __init__(self, model: LoadedModel, max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
+                 session_ttl_s: float = 600.0):
         self.model = model
+        self.session_ttl_s = session_ttl_s
+        self._streams: dict[int, tuple[grpc.ServicerContext, list[float]]] = {}  # session id -> (context, [last activity])
+        if session_ttl_s > 0:
+            threading.Thread(target=self._expire_idle, daemon=True, name="specd-session-ttl").start()
         self.target = TargetModel(model)
         self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms)
         self.max_sessions = max_sessions
@@ -39,6 +44,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             eos_token_ids=sorted(model.eos_token_ids),
             vocab_hash=vocab_hash(model.tokenizer, model.vocab_size),
         )
+
+    def _expire_idle(self) -> None:
+        """Cancel the streams of sessions idle for longer than the TTL; their handlers then free the KV rows."""
+        while True:
+            time.sleep(min(1.0, self.session_ttl_s / 4))
+            now = time.monotonic()
+            for session_id, (context, last) in list(self._streams.items()):
+                if now - last[0] > self.session_ttl_s:
+                    log.warning("session %s idle for over %.0f s: closing it", session_id, self.session_ttl_s)
+                    context.cancel()
 
     def drain(self) -> None:
         """Refuse new sessions; open ones run to completion."""
@@ -69,13 +84,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     def Session(self, request_iterator: Iterator[target_pb2.TargetRequest], context) -> Iterator[target_pb2.TargetResponse]:
         session: TargetSession | None = None
+        last_activity = [time.monotonic()]
         try:
             for request in request_iterator:
+                last_activity[0] = time.monotonic()
                 kind = request.WhichOneof("kind")
                 if kind == "open":
                     if session is not None:
                         raise InvalidArgument("open", "the session is already open")
                     session = self._open(request.open)
+                    self._streams[session.session_id] = (context, last_activity)
                     start = time.perf_counter()
                     token, timing = self.scheduler.prefill(session)
                     yield target_pb2.TargetResponse(opened=target_pb2.TargetSessionOpened(
@@ -94,8 +112,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         batch_size=timing.batch_size, queue_ms=timing.queue_ms, context_room=max(session.room, 0)))
                 else:
                     raise InvalidArgument("kind", "a session message must be `open` or `verify`")
+                last_activity[0] = time.monotonic()
         finally:
             if session is not None:
+                self._streams.pop(session.session_id, None)
                 session.close()
 
     def _open(self, msg: target_pb2.OpenTargetSession) -> TargetSession:

@@ -1,0 +1,124 @@
+"""The target service in-process on a tiny model: session limit, idle TTL, draining, bad blocks."""
+
+from __future__ import annotations
+
+import queue
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from specd.grpc_server import build_server, make_channel
+from specd.models import load_model, save_tiny_random_model
+from specd.sampling import SamplingParams
+from specd.wire import sampling_to_proto
+from specdec.v1 import target_pb2, target_pb2_grpc
+from target_service.server import SERVICE_NAME, TargetServicer, register
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(str(save_tiny_random_model(tmp_path_factory.mktemp("tiny"), vocab_size=32, seed=5)))
+
+
+def serve(tiny, **kwargs):
+    servicer = TargetServicer(tiny, **kwargs)
+    cfg = SimpleNamespace(host="127.0.0.1", port=0, max_workers=16, grace_seconds=1.0)
+    handle = build_server(cfg, register(servicer), [SERVICE_NAME])
+    handle.add_drain_hook(servicer.drain)
+    return servicer, handle
+
+
+class Session:
+    """A lockstep client of TargetService.Session."""
+
+    def __init__(self, stub):
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.replies = stub.Session(iter(self.requests.get, None), timeout=30)
+
+    def send(self, **kind):
+        self.requests.put(target_pb2.TargetRequest(**kind))
+        return next(self.replies)
+
+    def open(self, prompt=(1, 2, 3)):
+        return self.send(open=target_pb2.OpenTargetSession(prompt_token_ids=list(prompt),
+                                                           params=sampling_to_proto(SamplingParams(max_tokens=8))))
+
+    def close(self):
+        self.requests.put(None)
+
+
+def stats(stub) -> target_pb2.TargetStats:
+    return stub.GetStats(target_pb2.GetStatsRequest(), timeout=5)
+
+
+def test_session_limit_is_resource_exhausted_and_frees_on_close(tiny):
+    servicer, handle = serve(tiny, max_sessions=1)
+    try:
+        with make_channel(f"127.0.0.1:{handle.port}") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            first = Session(stub)
+            assert first.open().opened.first_token_id >= 0
+            second = Session(stub)
+            with pytest.raises(grpc.RpcError) as err:
+                second.open()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 1" in err.value.details()
+            assert first.send(verify=target_pb2.VerifyBlock(draft_token_ids=[4, 5])).verified.token_ids  # still serving
+            first.close()
+            deadline = time.monotonic() + 2
+            while stats(stub).open_sessions and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert stats(stub).open_sessions == 0
+            third = Session(stub)
+            assert third.open().HasField("opened")
+            third.close()
+    finally:
+        handle.drain(0.5)
+
+
+def test_idle_sessions_expire_after_the_ttl(tiny):
+    servicer, handle = serve(tiny, session_ttl_s=0.4)
+    try:
+        with make_channel(f"127.0.0.1:{handle.port}") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            idle = Session(stub)
+            idle.open()
+            assert stats(stub).open_sessions == 1
+            time.sleep(1.2)
+            assert stats(stub).open_sessions == 0
+            with pytest.raises(grpc.RpcError) as err:
+                idle.send(verify=target_pb2.VerifyBlock())
+            assert err.value.code() == grpc.StatusCode.CANCELLED
+    finally:
+        handle.drain(0.5)
+
+
+def test_bad_blocks_are_invalid_argument_and_the_session_survives_elsewhere(tiny):
+    servicer, handle = serve(tiny)
+    try:
+        with make_channel(f"127.0.0.1:{handle.port}") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            good = Session(stub)
+            good.open()
+            bad = Session(stub)
+            bad.open()
+            with pytest.raises(grpc.RpcError) as err:
+                bad.send(verify=target_pb2.VerifyBlock(draft_token_ids=[999]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_tokens" in err.value.details()
+            assert good.send(verify=target_pb2.VerifyBlock(draft_token_ids=[3])).HasField("verified")
+            good.close()
+    finally:
+        handle.drain(0.5)
+
+
+def test_draining_refuses_new_sessions(tiny):
+    servicer, handle = serve(tiny)
+    try:
+        servicer.drain()
+        with make_channel(f"127.0.0.1:{handle.port}") as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                Session(target_pb2_grpc.TargetServiceStub(ch)).open()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+    finally:
+        handle.drain(0.5)
