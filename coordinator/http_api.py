@@ -138,7 +138,8 @@ class OpenAIApp:
             params = oa.parse_sampling(body, oa.DEFAULT_CHAT_MAX_TOKENS if chat else oa.DEFAULT_COMPLETION_MAX_TOKENS)
             method, k = oa.parse_speculation(body)
             stream, include_usage = oa.parse_stream(body)
-            handle = self.service.start(prompt, params, method, k)
+            carrier = request.headers if self.service.telemetry.tracing_on else None  # a client's traceparent
+            handle = self.service.start(prompt, params, method, k, trace_carrier=carrier)
         except Exception as exc:
             return error_response(exc)
         worker = _Worker(self.service, handle, asyncio.get_running_loop())

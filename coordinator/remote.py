@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
 from draft_service.proposers.base import Proposal
 from specd.grpc_server import make_channel
 from specd.sampling import SamplingParams
+from specd.telemetry import Telemetry, inject_into
 from specd.wire import METHOD_TO_PROTO, probs_from_proto, probs_to_proto, sampling_to_proto
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.rejection_sampler import VerifyOutcome
@@ -78,6 +81,45 @@ class CallTimes:
         return (self.draft_wall_ms - self.draft_ms) + (self.verify_wall_ms - self.verify_ms)
 
 
+class StepTelemetry:
+    """What one request's remote sessions record per step: a CLIENT span per call ("prefill",
+    "verify", "draft"), children of the request span `parent`, whose W3C context rides on the
+    message (`trace_context`) so the service's span continues the trace; and the speculation
+    metrics, with the request's attributes. Built by the service only when telemetry is on, so
+    the sessions' per-step cost with telemetry off is one `is None` check."""
+
+    __slots__ = ("tel", "parent", "attrs", "_pos_attrs", "tracing", "metrics", "k")
+
+    def __init__(self, tel: Telemetry, parent: Context | None, attrs: dict[str, str]):
+        self.tel = tel
+        self.parent = parent
+        self.attrs = attrs  # target model, method (and draft model): the spec-decode counters' attributes
+        self._pos_attrs: list[dict[str, Any]] = []
+        self.tracing = tel.tracing_on
+        self.metrics = tel.metrics_on
+        self.k = 0  # the k of this step's draft call, for the verify span (0: the step drafted nothing)
+
+    def span(self, name: str, attributes: dict[str, Any] | None = None):
+        return self.tel.span(name, self.parent, SpanKind.CLIENT, attributes)
+
+    def record_verify(self, drafted: int, accepted: int, seconds: float) -> None:
+        m = self.tel.coordinator
+        m.verify_duration.record(seconds, self.attrs)
+        if drafted:
+            m.num_drafts.add(1, self.attrs)
+            m.num_draft_tokens.add(drafted, self.attrs)
+            m.num_accepted_tokens.add(accepted, self.attrs)
+            while len(self._pos_attrs) < accepted:
+                self._pos_attrs.append({**self.attrs, "position": len(self._pos_attrs)})
+            for i in range(accepted):
+                m.num_accepted_tokens_per_pos.add(1, self._pos_attrs[i])
+
+    def record_draft(self, k: int, seconds: float) -> None:
+        m = self.tel.coordinator
+        m.k.record(k, self.attrs)
+        m.draft_duration.record(seconds, self.attrs)
+
+
 class ReplicaPool:
     """Replicas of one service; new sessions go to the one with the fewest open sessions."""
 
@@ -107,13 +149,15 @@ class ReplicaPool:
 
 class RemoteTargetSession:
     def __init__(self, pool: ReplicaPool, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                 timeout: float | None, times: CallTimes):
+                 timeout: float | None, times: CallTimes, telemetry: StepTelemetry | None = None):
         self.pool = pool
         self.replica = pool.acquire()
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.request_id = request_id
         self.times = times
+        self.telemetry = telemetry
+        self.session_id = ""
         self._room = 0
         stub = target_pb2_grpc.TargetServiceStub(self.replica.channel)
         self.stream = LockstepStream(stub.Session, timeout)
@@ -123,20 +167,43 @@ class RemoteTargetSession:
         return self._room
 
     def prefill(self) -> int:
-        reply = self.stream.call(target_pb2.TargetRequest(open=target_pb2.OpenTargetSession(
-            prompt_token_ids=self.prompt_ids, params=sampling_to_proto(self.params), request_id=self.request_id)))
-        self._room = reply.opened.context_room
-        return reply.opened.first_token_id
+        request = target_pb2.TargetRequest(open=target_pb2.OpenTargetSession(
+            prompt_token_ids=self.prompt_ids, params=sampling_to_proto(self.params), request_id=self.request_id))
+        if self.telemetry is None or not self.telemetry.tracing:
+            opened = self.stream.call(request).opened
+        else:
+            with self.telemetry.span("prefill", {"specd.prompt_tokens": len(self.prompt_ids)}) as span:
+                inject_into(span, request.trace_context)
+                opened = self.stream.call(request).opened
+                span.set_attributes({"specd.session_id": opened.session_id, "specd.prefill_ms": opened.prefill_ms,
+                                     "specd.queue_ms": opened.queue_ms})
+        self.session_id = opened.session_id
+        self._room = opened.context_room
+        return opened.first_token_id
 
     def verify(self, proposal: Proposal) -> VerifyOutcome:
         block = target_pb2.VerifyBlock(draft_token_ids=proposal.tokens)
         probs = probs_to_proto(proposal.probs)
         if probs is not None:
             block.draft_probs.CopyFrom(probs)
+        request = target_pb2.TargetRequest(verify=block)
+        tel = self.telemetry
         start = time.perf_counter()
-        reply = self.stream.call(target_pb2.TargetRequest(verify=block)).verified
-        self.times.verify_wall_ms += (time.perf_counter() - start) * 1000
+        if tel is None or not tel.tracing:
+            reply = self.stream.call(request).verified
+        else:
+            k, tel.k = tel.k, 0
+            with tel.span("verify", {"specd.k": k, "specd.draft_tokens": len(proposal.tokens)}) as span:
+                inject_into(span, request.trace_context)
+                reply = self.stream.call(request).verified
+                span.set_attributes({"specd.accepted_tokens": reply.num_accepted, "specd.batch_size": reply.batch_size,
+                                     "specd.verify_ms": reply.verify_ms, "specd.queue_ms": reply.queue_ms,
+                                     "specd.session_id": self.session_id})
+        wall = time.perf_counter() - start
+        self.times.verify_wall_ms += wall * 1000
         self.times.verify_ms += reply.verify_ms
+        if tel is not None and tel.metrics:
+            tel.record_verify(len(proposal.tokens), reply.num_accepted, wall)
         self._room = reply.context_room
         return VerifyOutcome(num_accepted=reply.num_accepted, tokens=list(reply.token_ids))
 
@@ -149,40 +216,59 @@ class RemoteTargetSession:
 class RemoteVerifier:
     """The target pool as the engine's verifier."""
 
-    def __init__(self, pool: ReplicaPool, request_id: str = "", timeout: float | None = None, times: CallTimes | None = None):
+    def __init__(self, pool: ReplicaPool, request_id: str = "", timeout: float | None = None, times: CallTimes | None = None,
+                 telemetry: StepTelemetry | None = None):
         self.pool = pool
         self.request_id = request_id
         self.timeout = timeout
         self.times = times or CallTimes()
+        self.telemetry = telemetry
 
     def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteTargetSession:
-        return RemoteTargetSession(self.pool, prompt_ids, params, self.request_id, self.timeout, self.times)
+        return RemoteTargetSession(self.pool, prompt_ids, params, self.request_id, self.timeout, self.times, self.telemetry)
 
 
 class RemoteDraftSession:
     """Feedback is buffered and travels with the next propose request: one round trip a step."""
 
     def __init__(self, pool: ReplicaPool, method: str, prompt_ids: Sequence[int], params: SamplingParams,
-                 request_id: str, timeout: float | None, times: CallTimes):
+                 request_id: str, timeout: float | None, times: CallTimes, telemetry: StepTelemetry | None = None):
         self.pool = pool
         self.replica = pool.acquire()
         self.times = times
+        self.telemetry = telemetry
         self._appended: list[int] = []
         stub = draft_pb2_grpc.DraftServiceStub(self.replica.channel)
         self.stream = LockstepStream(stub.Session, timeout)
+        request = draft_pb2.DraftRequest(open=draft_pb2.OpenDraftSession(
+            prompt_token_ids=list(prompt_ids), params=sampling_to_proto(params),
+            method=METHOD_TO_PROTO[method], request_id=request_id))
+        if telemetry is not None and telemetry.tracing and telemetry.parent is not None:
+            inject_into(telemetry.parent, request.trace_context)  # "draft.open" is a child of the request span
         try:
-            self.stream.call(draft_pb2.DraftRequest(open=draft_pb2.OpenDraftSession(
-                prompt_token_ids=list(prompt_ids), params=sampling_to_proto(params),
-                method=METHOD_TO_PROTO[method], request_id=request_id)))
+            self.session_id = self.stream.call(request).session_id
         except BaseException:
             self.close()
             raise
 
     def propose(self, k: int) -> Proposal:
+        request = draft_pb2.DraftRequest(step=draft_pb2.DraftStep(appended_token_ids=self._appended, k=k))
+        tel = self.telemetry
         start = time.perf_counter()
-        block = self.stream.call(draft_pb2.DraftRequest(step=draft_pb2.DraftStep(appended_token_ids=self._appended, k=k)))
-        self.times.draft_wall_ms += (time.perf_counter() - start) * 1000
+        if tel is None or not tel.tracing:
+            block = self.stream.call(request)
+        else:
+            tel.k = k
+            with tel.span("draft", {"specd.k": k, "specd.appended_tokens": len(self._appended)}) as span:
+                inject_into(span, request.trace_context)
+                block = self.stream.call(request)
+                span.set_attributes({"specd.draft_tokens": len(block.token_ids), "specd.draft_ms": block.draft_ms,
+                                     "specd.session_id": self.session_id})
+        wall = time.perf_counter() - start
+        self.times.draft_wall_ms += wall * 1000
         self.times.draft_ms += block.draft_ms
+        if tel is not None and tel.metrics:
+            tel.record_draft(k, wall)
         self._appended = []
         tokens = list(block.token_ids)
         probs = probs_from_proto(block.probs, len(tokens), block.probs.vocab_size) if tokens else None
@@ -201,17 +287,24 @@ class RemoteProposer:
     """The draft pool as the engine's proposer, for one method."""
 
     def __init__(self, pool: ReplicaPool, method: str, request_id: str = "", timeout: float | None = None,
-                 times: CallTimes | None = None):
+                 times: CallTimes | None = None, telemetry: StepTelemetry | None = None):
         self.pool = pool
         self.name = method
         self.request_id = request_id
         self.timeout = timeout
         self.times = times or CallTimes()
+        self.telemetry = telemetry
 
     def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteDraftSession:
-        return RemoteDraftSession(self.pool, self.name, prompt_ids, params, self.request_id, self.timeout, self.times)
+        return RemoteDraftSession(self.pool, self.name, prompt_ids, params, self.request_id, self.timeout, self.times,
+                                  self.telemetry)
 
 
 def fetch_model_info(pool: ReplicaPool, timeout: float = 30.0) -> common_pb2.ModelInfo:
     stub = target_pb2_grpc.TargetServiceStub(pool.replicas[0].channel)
     return stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+
+def fetch_draft_model_info(pool: ReplicaPool, timeout: float = 2.0) -> common_pb2.ModelInfo:
+    stub = draft_pb2_grpc.DraftServiceStub(pool.replicas[0].channel)
+    return stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)

@@ -66,8 +66,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if request.HasField("speculation"):
             method = method_from_proto(request.speculation.method)
             k = request.speculation.k if request.speculation.HasField("k") else None
+        carrier = dict(context.invocation_metadata()) if self.service.telemetry.tracing_on else None
         return self.service.start(prompt_from_proto(request), sampling_from_proto(request.params), method, k,
-                                  request.request_id, downstream_timeout(context))
+                                  request.request_id, downstream_timeout(context), trace_carrier=carrier)
 
     @grpc_errors
     def Generate(self, request, context) -> Iterator[coordinator_pb2.GenerateResponse]:

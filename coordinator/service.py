@@ -7,17 +7,25 @@ therefore run the same engine loop over the same replica pools.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from coordinator.engine import Generation, SpeculativeEngine
-from coordinator.remote import CallTimes, RemoteProposer, RemoteVerifier, ReplicaPool
+from coordinator.remote import CallTimes, RemoteProposer, RemoteVerifier, ReplicaPool, StepTelemetry, fetch_draft_model_info
 from specd.errors import InvalidArgument
 from specd.models import encode_chat
 from specd.sampling import SamplingParams
+from specd.telemetry import Telemetry, extract_from, noop_telemetry
 from specd.text import TextStream, visible_text
+
+log = logging.getLogger(__name__)
 
 MAX_K = 32
 CHAT_ROLES = ("system", "user", "assistant")
@@ -32,6 +40,132 @@ class PromptInput:
     token_ids: list[int] | None = None
 
 
+def _error_type(exc: BaseException) -> str:
+    code = getattr(exc, "code", None)
+    if callable(code):  # a grpc.RpcError from a downstream call: its status code names it best
+        try:
+            return code().name
+        except Exception:
+            pass
+    return type(exc).__name__
+
+
+class RequestTelemetry:
+    """One request's span and GenAI metrics on the coordinator; exists only when telemetry is on.
+
+    The span ("<gen_ai.operation.name> <model>", kind SERVER) starts when the request arrives and
+    ends when it finishes, fails or is abandoned; its context is the parent of the per-step spans
+    (`StepTelemetry`). TTFT, TPOT and token usage are recorded for successful requests (as the
+    GenAI conventions ask), the request duration and the request counter for all, with
+    `error.type` on failures ("cancelled" for a client that went away).
+    """
+
+    def __init__(self, tel: Telemetry, model: str, operation: str, method: str, carrier: Any = None):
+        self.tel = tel
+        self.model = model
+        self.operation = operation
+        self.start = time.perf_counter()
+        self.start_ns = time.time_ns()
+        self.first_token_at: float | None = None
+        self.parent_ctx = extract_from(carrier) if tel.tracing_on and carrier is not None else None
+        self.attrs: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
+                                      "specd.method": method}
+        self.span: trace.Span | None = None
+        self.steps: StepTelemetry | None = None
+        self.begun = False
+        self.done = False
+
+    def _start_span(self, attributes: dict[str, Any]) -> None:
+        self.span = self.tel.tracer.start_span(f"{self.operation} {self.model}", context=self.parent_ctx,
+                                               kind=SpanKind.SERVER, attributes=attributes, start_time=self.start_ns)
+
+    def begin(self, method: str, k: int, params: SamplingParams, prompt_tokens: int, request_id: str,
+              draft_model: str | None) -> StepTelemetry:
+        """The request is valid: open its span and count it waiting; returns its step telemetry."""
+        self.attrs["specd.method"] = method
+        self.begun = True
+        step_attrs = {"gen_ai.request.model": self.model, "specd.method": method}
+        if draft_model:
+            step_attrs["specd.draft.model"] = draft_model
+        if self.tel.tracing_on:
+            attributes: dict[str, Any] = {
+                "gen_ai.operation.name": self.operation, "gen_ai.request.model": self.model,
+                "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
+                "gen_ai.request.top_p": params.top_p, "gen_ai.request.top_k": params.top_k,
+                "specd.request_id": request_id, "specd.method": method, "specd.k": k,
+                "specd.prompt_tokens": prompt_tokens,
+            }
+            if params.seed is not None:
+                attributes["gen_ai.request.seed"] = params.seed
+            if params.stop:
+                attributes["gen_ai.request.stop_sequences"] = list(params.stop)
+            if draft_model:
+                attributes["specd.draft.model"] = draft_model
+            self._start_span(attributes)
+        parent = trace.set_span_in_context(self.span) if self.span is not None else None
+        self.steps = StepTelemetry(self.tel, parent, step_attrs)
+        if self.tel.metrics_on:
+            self.tel.coordinator.requests_waiting.add(1, self.attrs)
+        return self.steps
+
+    def first_token(self) -> None:
+        self.first_token_at = time.perf_counter()
+        if self.tel.metrics_on and self.begun:
+            m = self.tel.coordinator
+            m.requests_waiting.add(-1, self.attrs)
+            m.requests_running.add(1, self.attrs)
+
+    def finish(self, gen: Generation | None, error: BaseException | None = None) -> None:
+        """Idempotent: the first call (normal end, failure, close or abandonment) records."""
+        if self.done:
+            return
+        self.done = True
+        end = time.perf_counter()
+        reason = gen.finish_reason if gen is not None else None
+        error_type = _error_type(error) if error is not None else (None if reason else "cancelled")
+        if self.tel.metrics_on:
+            self._record_metrics(gen, reason, error_type, end)
+        if self.tel.tracing_on:
+            if self.span is None:  # refused before it began (bad input)
+                self._start_span({"gen_ai.operation.name": self.operation, "gen_ai.request.model": self.model})
+            span = self.span
+            assert span is not None
+            if gen is not None:
+                s = gen.stats
+                span.set_attributes({
+                    "gen_ai.usage.input_tokens": len(gen.prompt_ids), "gen_ai.usage.output_tokens": len(gen.token_ids),
+                    "specd.num_drafts": s.num_drafts, "specd.num_draft_tokens": s.num_draft_tokens,
+                    "specd.num_accepted_tokens": s.num_accepted_tokens,
+                    "specd.target_forward_passes": s.target_forward_passes,
+                })
+            if reason:
+                span.set_attribute("gen_ai.response.finish_reasons", [reason])
+            if self.first_token_at is not None:
+                span.set_attribute("specd.time_to_first_token_s", self.first_token_at - self.start)
+            if error_type is not None:
+                span.set_attribute("error.type", error_type)
+                if error is not None:
+                    span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, error_type))
+            span.end()
+
+    def _record_metrics(self, gen: Generation | None, reason: str | None, error_type: str | None, end: float) -> None:
+        m = self.tel.coordinator
+        if self.begun:
+            (m.requests_running if self.first_token_at is not None else m.requests_waiting).add(-1, self.attrs)
+        attrs = self.attrs if error_type is None else {**self.attrs, "error.type": error_type}
+        m.request_duration.record(end - self.start, attrs)
+        m.requests.add(1, {**attrs, "specd.finish_reason": reason or ("cancelled" if error_type == "cancelled" else "error")})
+        if error_type is not None or gen is None:
+            return
+        m.token_usage.record(len(gen.prompt_ids), {**attrs, "gen_ai.token.type": "input"})
+        m.token_usage.record(len(gen.token_ids), {**attrs, "gen_ai.token.type": "output"})
+        if self.first_token_at is not None:
+            m.time_to_first_token.record(self.first_token_at - self.start, attrs)
+            if len(gen.token_ids) > 1:
+                m.time_per_output_token.record((end - self.first_token_at) / (len(gen.token_ids) - 1), attrs)
+
+
 @dataclass
 class RequestHandle:
     """A request in flight: iterate for (token ids, text delta) pairs; then read the outcome."""
@@ -44,10 +178,27 @@ class RequestHandle:
     times: CallTimes
     text_stream: TextStream
     closed: bool = field(default=False)
+    telemetry: RequestTelemetry | None = None
 
     def __iter__(self) -> Iterator[tuple[list[int], str]]:
-        for chunk in self.generation:
-            yield chunk, self.text_stream.push(chunk)
+        tel = self.telemetry
+        if tel is None:
+            for chunk in self.generation:
+                yield chunk, self.text_stream.push(chunk)
+        else:
+            error: BaseException | None = None
+            try:
+                for chunk in self.generation:
+                    if tel.first_token_at is None:
+                        tel.first_token()
+                    yield chunk, self.text_stream.push(chunk)
+            except GeneratorExit:  # the front end stopped iterating: recorded as cancelled unless finished
+                raise
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                tel.finish(self.generation, error)
         rest = self.text_stream.flush()
         if rest:
             yield [], rest
@@ -61,11 +212,13 @@ class RequestHandle:
         if not self.closed:
             self.closed = True
             self.generation.close()
+            if self.telemetry is not None:
+                self.telemetry.finish(self.generation)
 
 
 class GenerationService:
     def __init__(self, targets: ReplicaPool, drafts: ReplicaPool | None, tokenizer: Any, model_name: str,
-                 eos_token_ids: frozenset[int], method: str = "ngram", k: int = 8):
+                 eos_token_ids: frozenset[int], method: str = "ngram", k: int = 8, telemetry: Telemetry | None = None):
         self.targets = targets
         self.drafts = drafts
         self.tokenizer = tokenizer
@@ -75,6 +228,8 @@ class GenerationService:
         self.k = k
         self.active = 0
         self.draining = False
+        self.telemetry = telemetry or noop_telemetry()
+        self._draft_model: str | None = None
         self._lock = threading.Lock()
 
     def decode(self, ids: list[int]) -> str:
@@ -110,18 +265,45 @@ class GenerationService:
             raise InvalidArgument("speculation.method", "this coordinator has no draft pool; use method none")
         return ("none", 0) if method == "none" or k == 0 else (method, k)
 
+    def draft_model_name(self) -> str | None:
+        """The draft replicas' model (for method draft_model's metric attributes), asked once."""
+        if self._draft_model is None and self.drafts is not None:
+            try:
+                name = fetch_draft_model_info(self.drafts).name
+            except Exception:  # not critical: ask again on the next draft_model request
+                log.debug("could not fetch the draft model's name", exc_info=True)
+                return None
+            self._draft_model = "" if name == "model-free" else name
+        return self._draft_model or None
+
     def start(self, prompt: PromptInput, params: SamplingParams, method: str | None = None, k: int | None = None,
-              request_id: str = "", timeout: float | None = None) -> RequestHandle:
-        params.validate()
-        ids = self.encode(prompt)
-        method, k = self.resolve_speculation(method, k)
-        request_id = request_id or uuid.uuid4().hex
-        times = CallTimes()
-        verifier = RemoteVerifier(self.targets, request_id, timeout, times)
-        proposer = RemoteProposer(self.drafts, method, request_id, timeout, times) if method != "none" else None  # type: ignore[arg-type]
-        engine = SpeculativeEngine(verifier, proposer, k=k, eos_token_ids=self.eos_token_ids, decode=self.decode)
-        generation = engine.generate(ids, params)
-        return RequestHandle(generation, params, method, k, request_id, times, TextStream(self.decode, params.stop))
+              request_id: str = "", timeout: float | None = None, trace_carrier: Any = None) -> RequestHandle:
+        """Validates and starts a request. `trace_carrier` (gRPC metadata or HTTP headers) may
+        carry the client's W3C trace context, which the request span then continues."""
+        obs: RequestTelemetry | None = None
+        if self.telemetry.enabled:
+            operation = "chat" if prompt.messages is not None else "text_completion"
+            obs = RequestTelemetry(self.telemetry, self.model_name, operation, method or self.method, trace_carrier)
+        try:
+            params.validate()
+            ids = self.encode(prompt)
+            method, k = self.resolve_speculation(method, k)
+            request_id = request_id or uuid.uuid4().hex
+            steps = None
+            if obs is not None:
+                draft_model = self.draft_model_name() if method == "draft_model" else None
+                steps = obs.begin(method, k, params, len(ids), request_id, draft_model)
+            times = CallTimes()
+            verifier = RemoteVerifier(self.targets, request_id, timeout, times, steps)
+            proposer = RemoteProposer(self.drafts, method, request_id, timeout, times, steps) if method != "none" else None  # type: ignore[arg-type]
+            engine = SpeculativeEngine(verifier, proposer, k=k, eos_token_ids=self.eos_token_ids, decode=self.decode)
+            generation = engine.generate(ids, params)
+        except BaseException as exc:
+            if obs is not None:
+                obs.finish(None, exc)
+            raise
+        return RequestHandle(generation, params, method, k, request_id, times, TextStream(self.decode, params.stop),
+                             telemetry=obs)
 
     def track(self) -> "_Active":
         return _Active(self)

@@ -15,6 +15,7 @@ from draft_service.proposers.base import DraftSession
 from specd.errors import FailedPrecondition, InvalidArgument
 from specd.grpc_server import grpc_errors
 from specd.models import LoadedModel
+from specd.telemetry import Telemetry, noop_telemetry
 from specd.wire import METHOD_TO_PROTO, method_from_proto, probs_to_proto, sampling_from_proto
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -26,7 +27,8 @@ MAX_K = 64
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Serves every model-free method, plus draft_model when a draft model is loaded."""
 
-    def __init__(self, default_method: str = "ngram", draft_model: LoadedModel | None = None, info: common_pb2.ModelInfo | None = None):
+    def __init__(self, default_method: str = "ngram", draft_model: LoadedModel | None = None, info: common_pb2.ModelInfo | None = None,
+                 telemetry: Telemetry | None = None):
         if default_method not in METHODS or default_method == "none":
             raise ValueError(f"draft method must be one of ngram, suffix, draft_model; got {default_method!r}")
         if default_method == "draft_model" and draft_model is None:
@@ -41,6 +43,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.open_sessions = 0
         self.blocks = 0
         self.draft_ms_total = 0.0
+        self.telemetry = telemetry or noop_telemetry()
+        if self.telemetry.metrics_on:
+            self.telemetry.draft.observe(lambda: self.open_sessions)
+        # Per-method metric attributes, built once (with the draft model's name for draft_model).
+        self._method_attrs: dict[str, dict[str, str]] = {m: {"specd.method": m} for m in self.proposers}
+        if draft_model is not None:
+            self._method_attrs["draft_model"]["specd.draft.model"] = draft_model.name
 
     @grpc_errors
     def GetModelInfo(self, request, context) -> common_pb2.ModelInfo:
@@ -60,21 +69,37 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Session(self, request_iterator: Iterator[draft_pb2.DraftRequest], context) -> Iterator[draft_pb2.DraftBlock]:
         session: DraftSession | None = None
         session_id = ""
+        method = ""
         try:
             for request in request_iterator:
                 kind = request.WhichOneof("kind")
                 if kind == "open":
                     if session is not None:
                         raise InvalidArgument("open", "the session is already open")
-                    session = self._open(request.open)
-                    session_id = str(next(self._ids))
-                    with self._lock:
-                        self.open_sessions += 1
+                    # Spans never enclose a `yield`: the reply is built inside, sent outside.
+                    with self.telemetry.server_span("draft.open", request.trace_context) as span:
+                        session = self._open(request.open)
+                        session_id = str(next(self._ids))
+                        method = method_from_proto(request.open.method) or self.default_method
+                        with self._lock:
+                            self.open_sessions += 1
+                        if span is not None:
+                            span.set_attributes({"specd.session_id": session_id, "specd.method": method,
+                                                 "specd.request_id": request.open.request_id,
+                                                 "specd.prompt_tokens": len(request.open.prompt_token_ids)})
                     yield draft_pb2.DraftBlock(session_id=session_id)
                 elif kind == "step":
                     if session is None:
                         raise InvalidArgument("step", "the first message of a session must be `open`")
-                    yield self._step(session, session_id, request.step)
+                    with self.telemetry.server_span("draft.propose", request.trace_context) as span:
+                        block = self._step(session, session_id, request.step, method)
+                        if span is not None:
+                            span.set_attributes({"specd.session_id": session_id, "specd.method": method,
+                                                 "specd.k": request.step.k,
+                                                 "specd.appended_tokens": len(request.step.appended_token_ids),
+                                                 "specd.block_length": len(block.token_ids),
+                                                 "specd.draft_ms": block.draft_ms})
+                    yield block
                 else:
                     raise InvalidArgument("kind", "a draft session message must be `open` or `step`")
         finally:
@@ -93,7 +118,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise InvalidArgument("prompt_token_ids", "the prompt is empty")
         return self.proposers[method].open_session(list(msg.prompt_token_ids), sampling_from_proto(msg.params))
 
-    def _step(self, session: DraftSession, session_id: str, step: draft_pb2.DraftStep) -> draft_pb2.DraftBlock:
+    def _step(self, session: DraftSession, session_id: str, step: draft_pb2.DraftStep, method: str = "") -> draft_pb2.DraftBlock:
         if step.k > MAX_K:
             raise InvalidArgument("k", f"at most {MAX_K} draft tokens per step, got {step.k}")
         start = time.perf_counter()
@@ -111,6 +136,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             with self._lock:
                 self.blocks += 1
                 self.draft_ms_total += block.draft_ms
+            if self.telemetry.metrics_on:
+                m = self.telemetry.draft
+                attrs = self._method_attrs.get(method) or {"specd.method": method}
+                m.blocks.add(1, attrs)
+                m.tokens.add(len(block.token_ids), attrs)
+                m.duration.record(block.draft_ms / 1000, attrs)
         return block
 
 

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--k", type=int, default=8)
     up.add_argument("--target-model", default=None)
     up.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0: off; default 8000)")
+    up.add_argument("--metrics-base-port", type=int, default=9460,
+                    help="Prometheus metrics: coordinator on this port, draft on +1, target on +2 (0: off; default 9460)")
 
     bench = sub.add_parser("bench", help="benchmark methods against transformers' baselines on a prompts file")
     from coordinator.bench import add_bench_flags
@@ -166,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             from specd.serve import up
 
-            return up(args.port, args.target_port, args.draft_port, args.method, args.k, args.target_model, args.http_port or None)
+            return up(args.port, args.target_port, args.draft_port, args.method, args.k, args.target_model, args.http_port or None,
+                      metrics_base_port=args.metrics_base_port or None)
         if args.command == "bench-stack":
             from coordinator.bench_stack import run_bench_stack
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,10 +29,16 @@ class Service:
     port: int
     proc: subprocess.Popen
     log: Path
+    metrics_port: int | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus endpoint, when the service was started with one."""
+        return None if self.metrics_port is None else f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
@@ -51,7 +58,13 @@ class Service:
         return 0.0
 
 
-def start_service(service: str, args: list[str], log_dir: Path, timeout: float = 180.0) -> Service:
+def start_service(service: str, args: list[str], log_dir: Path, timeout: float = 180.0,
+                  metrics_port: int | None = None) -> Service:
+    """`metrics_port`: serve Prometheus metrics there (0: a free port; None: no endpoint)."""
+    if metrics_port == 0:
+        metrics_port = free_port()
+    if metrics_port is not None:
+        args = [*args, "--metrics-port", str(metrics_port)]
     port = free_port()
     log = log_dir / f"{service}-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -64,7 +77,7 @@ def start_service(service: str, args: list[str], log_dir: Path, timeout: float =
         raise RuntimeError(f"{service} did not become healthy; its log:\n{log.read_text()[-3000:]}")
     if proc.poll() is not None:
         raise RuntimeError(f"{service} exited during start-up; its log:\n{log.read_text()[-3000:]}")
-    return Service(service, port, proc, log)
+    return Service(service, port, proc, log, metrics_port)
 
 
 @dataclass
@@ -81,10 +94,16 @@ class Stack:
 
 
 def start_stack(log_dir: Path, draft_model: str | None = None, method: str = "ngram", k: int = 4,
-                target_args: list[str] | None = None, http_port: int | None = None) -> Stack:
-    target = start_service("target", target_args or [], log_dir)
-    draft = start_service("draft", ["--method", method] + (["--model", draft_model] if draft_model else []), log_dir)
+                target_args: list[str] | None = None, http_port: int | None = None,
+                metrics_ports: Mapping[str, int] | None = None) -> Stack:
+    """`metrics_ports`: service name ("target", "draft", "coordinator") -> Prometheus port
+    (0: a free one); services left out serve no metrics."""
+    mp = metrics_ports or {}
+    target = start_service("target", target_args or [], log_dir, metrics_port=mp.get("target"))
+    draft = start_service("draft", ["--method", method] + (["--model", draft_model] if draft_model else []), log_dir,
+                          metrics_port=mp.get("draft"))
     coordinator = start_service("coordinator", ["--target", target.address, "--draft", draft.address,
                                                 "--method", method, "--k", str(k)]
-                                + (["--http-port", str(http_port)] if http_port is not None else []), log_dir)
+                                + (["--http-port", str(http_port)] if http_port is not None else []), log_dir,
+                                metrics_port=mp.get("coordinator"))
     return Stack(target, draft, coordinator, http_port)

@@ -13,6 +13,7 @@ from typing import Callable
 
 from specd.config import CoordinatorConfig, DraftConfig, ServiceConfig, TargetConfig, format_config
 from specd.grpc_server import ServerHandle, build_server, wait_healthy
+from specd.telemetry import Telemetry, setup_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -29,33 +30,61 @@ def _run(handle: ServerHandle, service: str) -> int:
     http = getattr(handle, "http", None)
     if http is not None:  # HTTP requests in flight get the same grace period as gRPC ones
         http.thread.join(timeout=handle.grace_seconds + 5)
+    telemetry = getattr(handle, "telemetry", None)
+    if telemetry is not None:  # flush the spans and metrics still batched for OTLP
+        telemetry.shutdown()
     return 0
 
 
-def start_target(cfg: TargetConfig) -> ServerHandle:
+def _telemetry(service: str, cfg: ServiceConfig, model: str | None, telemetry: Telemetry | None) -> Telemetry:
+    """The service's Telemetry: the one passed in (tests), else from the config and OTEL_* env."""
+    if telemetry is None:
+        telemetry = setup_telemetry(service, cfg.metrics_port, model, metrics_host=cfg.host)
+    if telemetry.metrics_port is not None:
+        print(f"specd {service} metrics (Prometheus) on http://{cfg.host}:{telemetry.metrics_port}/metrics",
+              file=sys.stderr, flush=True)
+    return telemetry
+
+
+def _attach(handle: ServerHandle, telemetry: Telemetry) -> None:
+    handle.telemetry = telemetry  # type: ignore[attr-defined]
+
+
+def start_target(cfg: TargetConfig, telemetry: Telemetry | None = None) -> ServerHandle:
+    """`telemetry`: tests pass their own; by default it comes from cfg.metrics_port and OTEL_* env."""
     from specd.models import load_model
     from target_service.server import SERVICE_NAME, TargetServicer, register
 
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-    servicer = TargetServicer(model, cfg.max_sessions, cfg.max_batch_size, cfg.batch_wait_ms, cfg.session_ttl_s)
+    telemetry = _telemetry("target", cfg, model.name, telemetry)
+    servicer = TargetServicer(model, cfg.max_sessions, cfg.max_batch_size, cfg.batch_wait_ms, cfg.session_ttl_s,
+                              telemetry=telemetry)
     handle = build_server(cfg, register(servicer), [SERVICE_NAME])
     handle.add_drain_hook(servicer.drain)
     handle.servicer = servicer  # type: ignore[attr-defined]
+    _attach(handle, telemetry)
     return handle
 
 
-def start_draft(cfg: DraftConfig) -> ServerHandle:
+def start_draft(cfg: DraftConfig, telemetry: Telemetry | None = None) -> ServerHandle:
     from draft_service.server import SERVICE_NAME, DraftServicer, register
     from specd.models import load_model
+    from specdec.v1 import common_pb2
 
     draft = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype) if cfg.model else None
-    servicer = DraftServicer(cfg.method, draft)
+    info = None
+    if draft is not None:  # tells the coordinator the draft model's name (a metric attribute)
+        info = common_pb2.ModelInfo(name=draft.name, vocab_size=draft.vocab_size, max_context=draft.max_context,
+                                    eos_token_ids=sorted(draft.eos_token_ids))
+    telemetry = _telemetry("draft", cfg, draft.name if draft is not None else None, telemetry)
+    servicer = DraftServicer(cfg.method, draft, info, telemetry=telemetry)
     handle = build_server(cfg, register(servicer), [SERVICE_NAME])
     handle.servicer = servicer  # type: ignore[attr-defined]
+    _attach(handle, telemetry)
     return handle
 
 
-def start_coordinator(cfg: CoordinatorConfig) -> ServerHandle:
+def start_coordinator(cfg: CoordinatorConfig, telemetry: Telemetry | None = None) -> ServerHandle:
     from coordinator.remote import ReplicaPool, fetch_model_info
     from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
     from coordinator.service import GenerationService
@@ -64,10 +93,12 @@ def start_coordinator(cfg: CoordinatorConfig) -> ServerHandle:
     targets = ReplicaPool(cfg.target)
     drafts = ReplicaPool(cfg.draft) if cfg.draft and cfg.method != "none" else None
     info = fetch_model_info(targets)
+    telemetry = _telemetry("coordinator", cfg, info.name, telemetry)
     service = GenerationService(targets, drafts, load_tokenizer(cfg.tokenizer_model), info.name,
-                                frozenset(info.eos_token_ids), cfg.method, cfg.k)
+                                frozenset(info.eos_token_ids), cfg.method, cfg.k, telemetry=telemetry)
     handle = build_server(cfg, register(CoordinatorServicer(service)), [SERVICE_NAME])
     handle.servicer = service  # type: ignore[attr-defined]
+    _attach(handle, telemetry)
     if cfg.http_port is not None:
         from coordinator.http_api import HttpServer
 
@@ -100,9 +131,16 @@ def serve(service: str, cfg: ServiceConfig) -> int:
     return _run(STARTERS[service](cfg), service)
 
 
+METRICS_OFFSETS = {"coordinator": 0, "draft": 1, "target": 2}
+
+
 def up(port: int = 50050, target_port: int = 50052, draft_port: int = 50051, method: str = "ngram", k: int = 8,
-       target_model: str | None = None, http_port: int | None = 8000, timeout: float = 300.0) -> int:
-    """Start target, draft and coordinator as separate processes on loopback; stop them on Ctrl-C/SIGTERM."""
+       target_model: str | None = None, http_port: int | None = 8000, timeout: float = 300.0,
+       metrics_base_port: int | None = 9460) -> int:
+    """Start target, draft and coordinator as separate processes on loopback; stop them on Ctrl-C/SIGTERM.
+
+    With `metrics_base_port` (None or 0: off) each serves Prometheus metrics: the coordinator on
+    the base port, the draft on base + 1, the target on base + 2."""
     from specd.models import resolve_model_path
 
     resolve_model_path(target_model)  # convert the bundled GGUF once here, not in two processes at once
@@ -116,10 +154,15 @@ def up(port: int = 50050, target_port: int = 50052, draft_port: int = 50051, met
          + (["--tokenizer-model", target_model] if target_model else [])
          + (["--http-port", str(http_port)] if http_port else []), port),
     ]
+    metrics_ports = {name: metrics_base_port + off for name, off in METRICS_OFFSETS.items()} if metrics_base_port else {}
+    for name, cmd, _ in specs:
+        if name in metrics_ports:
+            cmd += ["--metrics-port", str(metrics_ports[name])]
     busy = [p for _, _, p in specs if not _port_free(p)] + ([http_port] if http_port and not _port_free(http_port) else [])
+    busy += [p for p in metrics_ports.values() if not _port_free(p)]
     if busy:
         print(f"specd up: port(s) {', '.join(map(str, busy))} already in use; stop what holds them or pass "
-              f"--port/--target-port/--draft-port", file=sys.stderr)
+              f"--port/--target-port/--draft-port/--http-port/--metrics-base-port", file=sys.stderr)
         return 2
     procs: list[tuple[str, subprocess.Popen]] = []
     stopping = False
@@ -140,6 +183,8 @@ def up(port: int = 50050, target_port: int = 50052, draft_port: int = 50051, met
         print(f"specd up: coordinator at 127.0.0.1:{port}  (try: specd generate --address 127.0.0.1:{port} \"Hello\")", flush=True)
         if http_port:
             print(f"specd up: OpenAI-compatible HTTP API at http://127.0.0.1:{http_port}/v1", flush=True)
+        for name, mport in metrics_ports.items():
+            print(f"specd up: {name} metrics at http://127.0.0.1:{mport}/metrics", flush=True)
         while not stopping:
             for name, proc in procs:
                 if proc.poll() is not None:

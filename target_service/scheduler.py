@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from draft_service.proposers.base import Proposal
+from specd.telemetry import Telemetry, batch_bucket, noop_telemetry
 from target_service.rejection_sampler import VerifyOutcome
 from target_service.verifier import TargetModel, TargetSession
 
@@ -55,8 +56,10 @@ class BatchStats:
 
 
 class VerifyScheduler:
-    def __init__(self, target: TargetModel, max_batch_size: int = 16, batch_wait_ms: float = 5.0):
+    def __init__(self, target: TargetModel, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
+                 telemetry: Telemetry | None = None):
         self.target = target
+        self.telemetry = telemetry or noop_telemetry()
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000.0
         self.stats = BatchStats()
@@ -137,5 +140,19 @@ class VerifyScheduler:
         if batch[0].proposal is not None:
             block = max(len(w.proposal.tokens) for w in batch) + 1  # type: ignore[union-attr]
             self.stats.record(len(batch), block, compute_ms)
+        if self.telemetry.metrics_on:
+            self._record(batch, start, compute_ms / 1000)
         for w, result in zip(batch, results):
             w.future.set_result((result, StepTiming((start - w.enqueued) * 1000, compute_ms, len(batch))))
+
+    def _record(self, batch: list[_Work], start: float, seconds: float) -> None:
+        m = self.telemetry.target
+        if batch[0].proposal is None:
+            m.forward_passes.add(1, m.prefill_attrs)
+            m.prefill_duration.record(seconds)
+        else:
+            m.forward_passes.add(1, m.verify_attrs)
+            m.batch_size.record(len(batch))
+            m.verify_duration.record(seconds, {"specd.batch_size": batch_bucket(len(batch))})
+        for w in batch:
+            m.queue_duration.record(start - w.enqueued)

@@ -13,6 +13,7 @@ from draft_service.proposers.base import Proposal
 from specd.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specd.grpc_server import grpc_errors
 from specd.models import LoadedModel
+from specd.telemetry import Telemetry, noop_telemetry
 from specd.vocab import vocab_hash
 from specd.wire import probs_from_proto, sampling_from_proto
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -25,14 +26,17 @@ SERVICE_NAME = "specdec.v1.TargetService"
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, model: LoadedModel, max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
-                 session_ttl_s: float = 600.0):
+                 session_ttl_s: float = 600.0, telemetry: Telemetry | None = None):
         self.model = model
+        self.telemetry = telemetry or noop_telemetry()
         self.session_ttl_s = session_ttl_s
         self._streams: dict[int, tuple[grpc.ServicerContext, list[float]]] = {}  # session id -> (context, [last activity])
         if session_ttl_s > 0:
             threading.Thread(target=self._expire_idle, daemon=True, name="specd-session-ttl").start()
         self.target = TargetModel(model)
-        self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms)
+        self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms, self.telemetry)
+        if self.telemetry.metrics_on:
+            self.telemetry.target.observe(lambda: len(self.target.sessions), lambda: self.scheduler.queue_depth)
         self.max_sessions = max_sessions
         self.max_batch_size = max_batch_size
         self.draining = False
@@ -92,24 +96,40 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if kind == "open":
                     if session is not None:
                         raise InvalidArgument("open", "the session is already open")
-                    session = self._open(request.open)
-                    self._streams[session.session_id] = (context, last_activity)
-                    start = time.perf_counter()
-                    token, timing = self.scheduler.prefill(session)
-                    yield target_pb2.TargetResponse(opened=target_pb2.TargetSessionOpened(
-                        session_id=str(session.session_id), first_token_id=token, context_room=max(session.room, 0),
-                        prefill_ms=timing.compute_ms, queue_ms=timing.queue_ms))
+                    # Spans never enclose a `yield`: the reply is built inside, sent outside.
+                    with self.telemetry.server_span("target.prefill", request.trace_context) as span:
+                        session = self._open(request.open)
+                        self._streams[session.session_id] = (context, last_activity)
+                        start = time.perf_counter()
+                        token, timing = self.scheduler.prefill(session)
+                        reply = target_pb2.TargetResponse(opened=target_pb2.TargetSessionOpened(
+                            session_id=str(session.session_id), first_token_id=token, context_room=max(session.room, 0),
+                            prefill_ms=timing.compute_ms, queue_ms=timing.queue_ms))
+                        if span is not None:
+                            span.set_attributes({"specd.session_id": str(session.session_id),
+                                                 "specd.request_id": request.open.request_id,
+                                                 "specd.prompt_tokens": len(request.open.prompt_token_ids),
+                                                 "specd.prefill_ms": timing.compute_ms, "specd.queue_ms": timing.queue_ms})
+                    yield reply
                     log.debug("session %s prefilled in %.1f ms", session.session_id, (time.perf_counter() - start) * 1000)
                 elif kind == "verify":
                     if session is None:
                         raise InvalidArgument("verify", "the first message of a session must be `open`")
-                    block = request.verify
-                    tokens = list(block.draft_token_ids)
-                    probs = probs_from_proto(block.draft_probs, len(tokens), self.model.vocab_size)
-                    outcome, timing = self.scheduler.verify(session, Proposal(tokens, probs))
-                    yield target_pb2.TargetResponse(verified=target_pb2.BlockVerified(
-                        num_accepted=outcome.num_accepted, token_ids=outcome.tokens, verify_ms=timing.compute_ms,
-                        batch_size=timing.batch_size, queue_ms=timing.queue_ms, context_room=max(session.room, 0)))
+                    with self.telemetry.server_span("target.verify", request.trace_context) as span:
+                        block = request.verify
+                        tokens = list(block.draft_token_ids)
+                        probs = probs_from_proto(block.draft_probs, len(tokens), self.model.vocab_size)
+                        outcome, timing = self.scheduler.verify(session, Proposal(tokens, probs))
+                        reply = target_pb2.TargetResponse(verified=target_pb2.BlockVerified(
+                            num_accepted=outcome.num_accepted, token_ids=outcome.tokens, verify_ms=timing.compute_ms,
+                            batch_size=timing.batch_size, queue_ms=timing.queue_ms, context_room=max(session.room, 0)))
+                        if span is not None:
+                            span.set_attributes({"specd.session_id": str(session.session_id),
+                                                 "specd.block_length": len(tokens) + 1,
+                                                 "specd.num_accepted": outcome.num_accepted,
+                                                 "specd.batch_size": timing.batch_size, "specd.queue_ms": timing.queue_ms,
+                                                 "specd.verify_ms": timing.compute_ms})
+                    yield reply
                 else:
                     raise InvalidArgument("kind", "a session message must be `open` or `verify`")
                 last_activity[0] = time.monotonic()

@@ -1,4 +1,5 @@
-"""One stack of three real processes (target, draft with a tiny draft model, coordinator with HTTP) per test session."""
+"""One stack of three real processes (target, draft with a tiny draft model, coordinator with HTTP, each with a
+Prometheus metrics endpoint) per test session."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 def stack(target, tmp_path_factory):
     tiny = save_tiny_random_model(tmp_path_factory.mktemp("tiny-draft"), vocab_size=target.vocab_size, hidden_size=64,
                                   tokenizer_from=target.tokenizer, max_position_embeddings=8192)
-    s = start_stack(tmp_path_factory.mktemp("logs"), draft_model=str(tiny), http_port=free_port())
+    s = start_stack(tmp_path_factory.mktemp("logs"), draft_model=str(tiny), http_port=free_port(),
+                    metrics_ports={"target": 0, "draft": 0, "coordinator": 0})  # Prometheus on free ports
     yield s
     s.stop()
 
