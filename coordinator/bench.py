@@ -67,6 +67,7 @@ class Sample:
 class System:
     name: str
     run: Callable[[Prompt, list[int]], tuple[list[int], dict]]  # -> (generated ids, stats)
+    reset: Callable[[], None] = lambda: None  # called at the start of every run
 
 
 def hf_systems(target: LoadedModel, names: list[str], lookup_tokens: int) -> list[System]:
@@ -89,14 +90,21 @@ def hf_systems(target: LoadedModel, names: list[str], lookup_tokens: int) -> lis
     return [System(n, make(table[n])) for n in names]
 
 
-def specd_system(name: str, engine: SpeculativeEngine) -> System:
+def specd_system(name: str, engine: SpeculativeEngine, make_proposer_fn: Callable[[], object] | None = None) -> System:
+    """make_proposer_fn: builds a fresh proposer at each run, so that no cross-request state (the
+    suffix method's global tree) carries one run's outputs of a prompt into the next run."""
+
     def run(prompt: Prompt, ids: list[int]) -> tuple[list[int], dict]:
         params = SamplingParams(max_tokens=prompt.max_tokens)
         with torch.inference_mode():
             gen = engine.generate(ids, params).run()
         return gen.token_ids, gen.stats.to_dict()
 
-    return System(name, run)
+    def reset() -> None:
+        if make_proposer_fn is not None:
+            engine.proposer = make_proposer_fn()  # type: ignore[assignment]
+
+    return System(name, run, reset)
 
 
 def build_systems(args: argparse.Namespace, target: LoadedModel) -> list[System]:
@@ -109,9 +117,9 @@ def build_systems(args: argparse.Namespace, target: LoadedModel) -> list[System]
         if method == "draft_model" and draft is None:
             draft = target if args.draft_model in (None, "target") else load_model(args.draft_model, args.device, args.dtype)
         for k in ([0] if method == "none" else ks):
-            proposer = make_proposer(method, draft)
-            engine = SpeculativeEngine(verifier, proposer, k=k, eos_token_ids=target.eos_token_ids)
-            systems.append(specd_system(f"specd_{method}" + (f"_k{k}" if method != "none" else ""), engine))
+            fresh = (lambda m=method: make_proposer(m, draft))
+            engine = SpeculativeEngine(verifier, fresh(), k=k, eos_token_ids=target.eos_token_ids)
+            systems.append(specd_system(f"specd_{method}" + (f"_k{k}" if method != "none" else ""), engine, fresh))
     return systems
 
 
@@ -131,6 +139,8 @@ def run_bench(args: argparse.Namespace) -> int:
     total = args.runs * len(prompts) * len(systems)
     done = 0
     for run in range(args.runs):
+        for system in systems:
+            system.reset()
         for prompt in prompts:
             for system in systems:
                 start = time.perf_counter()

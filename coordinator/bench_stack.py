@@ -57,9 +57,11 @@ def _stack_phase(address: str, prompts: list[Prompt], encoded: dict[str, list[in
         return {"id": p.id, "kind": p.kind, "ids": list(r.token_ids), "tokens": r.usage.completion_tokens,
                 "rpc_overhead_ms_per_step": r.timings.rpc_overhead_ms / steps}
 
+    # Enough requests to keep `concurrency` sessions in flight for two waves, cycling the prompts.
+    requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * concurrency if concurrency > 1 else 0))]
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(one, prompts))
+        results = list(pool.map(one, requests))
     seconds = time.perf_counter() - start
     return sum(r["tokens"] for r in results), seconds, results
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -123,3 +125,40 @@ def test_server_keeps_serving_after_errors(oai, model_name):
 
 
 
+
+
+def test_429_at_the_session_limit_and_503_while_draining(stack, tmp_path):
+    """A second target limited to one session, and a coordinator of its own that we drain."""
+    from specd.launcher import free_port, start_service
+
+    target = start_service("target", ["--max-sessions", "1"], tmp_path)
+    http_port = free_port()
+    coordinator = start_service("coordinator", ["--target", target.address, "--draft", stack.draft.address,
+                                                "--http-port", str(http_port), "--grace-seconds", "20"], tmp_path)
+    try:
+        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = oai.models.list().data[0].id
+        long_stream = oai.completions.create(model=model, prompt="Tell a long story.", max_tokens=60, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(long_stream))  # holds the target's only session
+        with pytest.raises(openai.RateLimitError) as err:
+            oai.completions.create(model=model, prompt="hi", max_tokens=2)
+        assert err.value.status_code == 429
+        coordinator.proc.send_signal(15)  # drain: new requests get 503, the running stream finishes
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+            except httpx.HTTPError:
+                r = None
+            if (r is not None and r.status_code == 503) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert r is not None and r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        rest = list(long_stream)
+        text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
+        assert rest[-1].choices[0].finish_reason == "length" and text
+        assert coordinator.proc.wait(30) == 0
+    finally:
+        coordinator.stop()
+        target.stop()
