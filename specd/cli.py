@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     from coordinator.bench_stack import add_bench_stack_flags
 
     add_bench_stack_flags(bench_stack)
+
+    bench_tel = sub.add_parser("bench-telemetry", help="the stack's tokens/s with telemetry on against off")
+    from coordinator.bench_telemetry import add_bench_telemetry_flags
+
+    add_bench_telemetry_flags(bench_tel)
     return parser
 
 
@@ -170,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return up(args.port, args.target_port, args.draft_port, args.method, args.k, args.target_model, args.http_port or None,
                       metrics_base_port=args.metrics_base_port or None)
+        if args.command == "bench-telemetry":
+            from coordinator.bench_telemetry import run_bench_telemetry
+
+            return run_bench_telemetry(args)
         if args.command == "bench-stack":
             from coordinator.bench_stack import run_bench_stack
 
