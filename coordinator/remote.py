@@ -7,9 +7,7 @@ it frees that state on the replica.
 
 from __future__ import annotations
 
-import itertools
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -18,8 +16,8 @@ import grpc
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
+from coordinator.replicas import Replica, ReplicaPool  # noqa: F401  (re-exported: the transport's pool)
 from draft_service.proposers.base import Proposal
-from specd.grpc_server import make_channel
 from specd.sampling import SamplingParams
 from specd.telemetry import Telemetry, inject_into
 from specd.wire import METHOD_TO_PROTO, probs_from_proto, probs_to_proto, sampling_to_proto
@@ -52,19 +50,6 @@ class LockstepStream:
             self.closed = True
             self._requests.put(None)
             self._replies.cancel()  # type: ignore[attr-defined]
-
-
-@dataclass
-class Replica:
-    """One replica of a pool, with the sessions this coordinator has open on it."""
-
-    address: str
-    channel: grpc.Channel
-    open_sessions: int = 0
-
-    @classmethod
-    def connect(cls, address: str) -> "Replica":
-        return cls(address, make_channel(address))
 
 
 @dataclass
@@ -118,33 +103,6 @@ class StepTelemetry:
         m = self.tel.coordinator
         m.k.record(k, self.attrs)
         m.draft_duration.record(seconds, self.attrs)
-
-
-class ReplicaPool:
-    """Replicas of one service; new sessions go to the one with the fewest open sessions."""
-
-    def __init__(self, addresses: Sequence[str]):
-        if not addresses:
-            raise ValueError("a replica pool needs at least one address")
-        self.replicas = [Replica.connect(a) for a in addresses]
-        self._lock = threading.Lock()
-        self._rr = itertools.count()
-
-    def acquire(self) -> Replica:
-        with self._lock:
-            start = next(self._rr) % len(self.replicas)  # rotate among equally loaded replicas
-            ordered = self.replicas[start:] + self.replicas[:start]
-            replica = min(ordered, key=lambda r: r.open_sessions)
-            replica.open_sessions += 1
-            return replica
-
-    def release(self, replica: Replica) -> None:
-        with self._lock:
-            replica.open_sessions -= 1
-
-    def close(self) -> None:
-        for r in self.replicas:
-            r.channel.close()
 
 
 class RemoteTargetSession:
@@ -301,10 +259,10 @@ class RemoteProposer:
 
 
 def fetch_model_info(pool: ReplicaPool, timeout: float = 30.0) -> common_pb2.ModelInfo:
-    stub = target_pb2_grpc.TargetServiceStub(pool.replicas[0].channel)
+    stub = target_pb2_grpc.TargetServiceStub(pool.wait_for_replica(timeout).channel)
     return stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
 
 
 def fetch_draft_model_info(pool: ReplicaPool, timeout: float = 2.0) -> common_pb2.ModelInfo:
-    stub = draft_pb2_grpc.DraftServiceStub(pool.replicas[0].channel)
+    stub = draft_pb2_grpc.DraftServiceStub(pool.wait_for_replica(timeout).channel)
     return stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)
