@@ -85,13 +85,15 @@ def start_draft(cfg: DraftConfig, telemetry: Telemetry | None = None) -> ServerH
 
 
 def start_coordinator(cfg: CoordinatorConfig, telemetry: Telemetry | None = None) -> ServerHandle:
-    from coordinator.remote import ReplicaPool, fetch_model_info
+    from coordinator.remote import fetch_model_info
+    from coordinator.replicas import PoolOptions, ReplicaPool
     from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
     from coordinator.service import GenerationService
     from specd.models import load_tokenizer
 
-    targets = ReplicaPool(cfg.target)
-    drafts = ReplicaPool(cfg.draft) if cfg.draft and cfg.method != "none" else None
+    pool_options = PoolOptions(health_interval_s=cfg.health_check_interval_s, refresh_s=cfg.dns_refresh_s)
+    targets = ReplicaPool(cfg.target, pool_options, name="target")
+    drafts = ReplicaPool(cfg.draft, pool_options, name="draft") if cfg.draft and cfg.method != "none" else None
     info = fetch_model_info(targets)
     telemetry = _telemetry("coordinator", cfg, info.name, telemetry)
     service = GenerationService(targets, drafts, load_tokenizer(cfg.tokenizer_model), info.name,
