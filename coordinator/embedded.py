@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import make_proposer
 from specd.models import LoadedModel, load_model
+from specd.vocab import check_vocab, vocab_hash
 from target_service.verifier import TargetModel
 
 
@@ -32,6 +33,9 @@ def build_engine(opts: EngineOptions, target: LoadedModel | None = None) -> tupl
     """Load the models an EngineOptions names and wire them into an engine."""
     target = target or load_model(opts.target_model, device=opts.device, dtype=opts.dtype)
     draft = load_draft(opts.draft_model, target, opts.device, opts.dtype) if opts.method == "draft_model" else None
+    if draft is not None and draft is not target:  # refuse a draft with another vocabulary (FailedPrecondition)
+        check_vocab(target.name, vocab_hash(target.tokenizer, target.vocab_size),
+                    draft.name, vocab_hash(draft.tokenizer, draft.vocab_size))
     proposer = make_proposer(opts.method, draft)
     engine = SpeculativeEngine(
         TargetModel(target),

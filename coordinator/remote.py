@@ -17,6 +17,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from coordinator.replicas import Replica, ReplicaPool  # noqa: F401  (re-exported: the transport's pool)
+from coordinator.compat import DraftCompat, NoDraftSession, is_refusal
 from draft_service.proposers.base import Proposal
 from specd.sampling import SamplingParams
 from specd.telemetry import Telemetry, inject_into
@@ -73,7 +74,7 @@ class StepTelemetry:
     metrics, with the request's attributes. Built by the service only when telemetry is on, so
     the sessions' per-step cost with telemetry off is one `is None` check."""
 
-    __slots__ = ("tel", "parent", "attrs", "_pos_attrs", "tracing", "metrics", "k")
+    __slots__ = ("tel", "parent", "attrs", "_pos_attrs", "tracing", "metrics", "k", "off_reason")
 
     def __init__(self, tel: Telemetry, parent: Context | None, attrs: dict[str, str]):
         self.tel = tel
@@ -83,6 +84,7 @@ class StepTelemetry:
         self.tracing = tel.tracing_on
         self.metrics = tel.metrics_on
         self.k = 0  # the k of this step's draft call, for the verify span (0: the step drafted nothing)
+        self.off_reason: str | None = None  # set when speculation was turned off for the request (coordinator/compat.py)
 
     def span(self, name: str, attributes: dict[str, Any] | None = None):
         return self.tel.span(name, self.parent, SpanKind.CLIENT, attributes)
@@ -190,7 +192,8 @@ class RemoteDraftSession:
     """Feedback is buffered and travels with the next propose request: one round trip a step."""
 
     def __init__(self, pool: ReplicaPool, method: str, prompt_ids: Sequence[int], params: SamplingParams,
-                 request_id: str, timeout: float | None, times: CallTimes, telemetry: StepTelemetry | None = None):
+                 request_id: str, timeout: float | None, times: CallTimes, telemetry: StepTelemetry | None = None,
+                 compat: DraftCompat | None = None):
         self.pool = pool
         self.replica = pool.acquire()
         self.times = times
@@ -201,6 +204,9 @@ class RemoteDraftSession:
         request = draft_pb2.DraftRequest(open=draft_pb2.OpenDraftSession(
             prompt_token_ids=list(prompt_ids), params=sampling_to_proto(params),
             method=METHOD_TO_PROTO[method], request_id=request_id))
+        if compat is not None:  # the draft replica refuses draft_model sessions for another vocabulary
+            request.open.target_model = compat.target_model
+            request.open.target_vocab_hash = compat.target_vocab_hash
         if telemetry is not None and telemetry.tracing and telemetry.parent is not None:
             inject_into(telemetry.parent, request.trace_context)  # "draft.open" is a child of the request span
         try:
@@ -245,17 +251,26 @@ class RemoteProposer:
     """The draft pool as the engine's proposer, for one method."""
 
     def __init__(self, pool: ReplicaPool, method: str, request_id: str = "", timeout: float | None = None,
-                 times: CallTimes | None = None, telemetry: StepTelemetry | None = None):
+                 times: CallTimes | None = None, telemetry: StepTelemetry | None = None, compat: DraftCompat | None = None):
         self.pool = pool
         self.name = method
+        self.compat = compat
         self.request_id = request_id
         self.timeout = timeout
         self.times = times or CallTimes()
         self.telemetry = telemetry
 
-    def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteDraftSession:
-        return RemoteDraftSession(self.pool, self.name, prompt_ids, params, self.request_id, self.timeout, self.times,
-                                  self.telemetry)
+    def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteDraftSession | NoDraftSession:
+        """A refused open (FAILED_PRECONDITION: another vocabulary, or the method not served) runs
+        the request without speculation instead of failing it, when `compat` reports refusals."""
+        try:
+            return RemoteDraftSession(self.pool, self.name, prompt_ids, params, self.request_id, self.timeout, self.times,
+                                      self.telemetry, self.compat)
+        except grpc.RpcError as exc:
+            if self.compat is None or not is_refusal(exc):
+                raise
+            self.compat.refused(self.name, exc.details() or "", steps=self.telemetry)  # type: ignore[attr-defined]
+            return NoDraftSession()
 
 
 def fetch_model_info(pool: ReplicaPool, timeout: float = 30.0) -> common_pb2.ModelInfo:

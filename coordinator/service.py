@@ -17,6 +17,7 @@ from typing import Any, Iterator
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from coordinator.compat import DraftCompat, speculation_state
 from coordinator.engine import Generation, SpeculativeEngine
 from coordinator.remote import CallTimes, RemoteProposer, RemoteVerifier, ReplicaPool, StepTelemetry, fetch_draft_model_info
 from specd.errors import InvalidArgument
@@ -156,6 +157,8 @@ class RequestTelemetry:
         attrs = self.attrs if error_type is None else {**self.attrs, "error.type": error_type}
         m.request_duration.record(end - self.start, attrs)
         m.requests.add(1, {**attrs, "specd.finish_reason": reason or ("cancelled" if error_type == "cancelled" else "error")})
+        if gen is not None and self.steps is not None:
+            self._record_speculation(gen, self.steps)
         if error_type is not None or gen is None:
             return
         m.token_usage.record(len(gen.prompt_ids), {**attrs, "gen_ai.token.type": "input"})
@@ -164,6 +167,15 @@ class RequestTelemetry:
             m.time_to_first_token.record(self.first_token_at - self.start, attrs)
             if len(gen.token_ids) > 1:
                 m.time_per_output_token.record((end - self.first_token_at) / (len(gen.token_ids) - 1), attrs)
+
+    def _record_speculation(self, gen: Generation, steps: StepTelemetry) -> None:
+        """Counts the request as speculating or not (and why not): the "speculation off" alert's series."""
+        s = gen.stats
+        state, why = speculation_state(self.attrs["specd.method"], steps.off_reason, s.num_drafts, s.target_forward_passes)
+        attrs = {**steps.attrs, "specd.speculation": state}
+        if why:
+            attrs["specd.speculation.reason"] = why
+        self.tel.coordinator.speculation_requests.add(1, attrs)
 
 
 @dataclass
@@ -218,7 +230,8 @@ class RequestHandle:
 
 class GenerationService:
     def __init__(self, targets: ReplicaPool, drafts: ReplicaPool | None, tokenizer: Any, model_name: str,
-                 eos_token_ids: frozenset[int], method: str = "ngram", k: int = 8, telemetry: Telemetry | None = None):
+                 eos_token_ids: frozenset[int], method: str = "ngram", k: int = 8, telemetry: Telemetry | None = None,
+                 vocab_hash: str = ""):
         self.targets = targets
         self.drafts = drafts
         self.tokenizer = tokenizer
@@ -230,6 +243,7 @@ class GenerationService:
         self.draining = False
         self.telemetry = telemetry or noop_telemetry()
         self._draft_model: str | None = None
+        self.compat = DraftCompat(model_name, vocab_hash, self.telemetry)  # the target's identity, sent on draft opens
         self._lock = threading.Lock()
 
     def decode(self, ids: list[int]) -> str:
@@ -295,7 +309,7 @@ class GenerationService:
                 steps = obs.begin(method, k, params, len(ids), request_id, draft_model)
             times = CallTimes()
             verifier = RemoteVerifier(self.targets, request_id, timeout, times, steps)
-            proposer = RemoteProposer(self.drafts, method, request_id, timeout, times, steps) if method != "none" else None  # type: ignore[arg-type]
+            proposer = RemoteProposer(self.drafts, method, request_id, timeout, times, steps, self.compat) if method != "none" else None  # type: ignore[arg-type]
             engine = SpeculativeEngine(verifier, proposer, k=k, eos_token_ids=self.eos_token_ids, decode=self.decode)
             generation = engine.generate(ids, params)
         except BaseException as exc:

@@ -16,7 +16,8 @@ from specd.errors import FailedPrecondition, InvalidArgument
 from specd.grpc_server import grpc_errors
 from specd.models import LoadedModel
 from specd.telemetry import Telemetry, noop_telemetry
-from specd.wire import METHOD_TO_PROTO, method_from_proto, probs_to_proto, sampling_from_proto
+from specd.vocab import check_vocab
+from specd.wire import METHOD_TO_PROTO, method_from_proto, model_info_of, probs_to_proto, sampling_from_proto
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.proposers: dict[str, Proposer] = {m: make_proposer(m) for m in ("ngram", "suffix")}  # type: ignore[misc]
         if draft_model is not None:
             self.proposers["draft_model"] = make_proposer("draft_model", draft_model)  # type: ignore[assignment]
-        self.info = info or common_pb2.ModelInfo(name="model-free")
+        if info is None:  # sessions of draft_model are checked against its vocab_hash
+            info = model_info_of(draft_model) if draft_model is not None else common_pb2.ModelInfo(name="model-free")
+        self.info = info
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.open_sessions = 0
@@ -116,6 +119,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise FailedPrecondition(f"this draft replica serves {', '.join(sorted(self.proposers))}, not {method}")
         if not msg.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids", "the prompt is empty")
+        if method == "draft_model":  # model-free methods draft the target's own ids: always compatible
+            check_vocab(msg.target_model, msg.target_vocab_hash, self.info.name, self.info.vocab_hash)
         return self.proposers[method].open_session(list(msg.prompt_token_ids), sampling_from_proto(msg.params))
 
     def _step(self, session: DraftSession, session_id: str, step: draft_pb2.DraftStep, method: str = "") -> draft_pb2.DraftBlock:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import grpc
 
-from specd.errors import InvalidArgument
+from specd.errors import FailedPrecondition, InvalidArgument
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -189,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench(args)
     except InvalidArgument as exc:
         print(f"specd: invalid argument: {exc}", file=sys.stderr)
+        return 2
+    except FailedPrecondition as exc:  # e.g. a draft model with another vocabulary than the target's
+        print(f"specd: {exc}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as exc:
         print(f"specd: {exc}", file=sys.stderr)

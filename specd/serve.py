@@ -69,15 +69,12 @@ def start_target(cfg: TargetConfig, telemetry: Telemetry | None = None) -> Serve
 def start_draft(cfg: DraftConfig, telemetry: Telemetry | None = None) -> ServerHandle:
     from draft_service.server import SERVICE_NAME, DraftServicer, register
     from specd.models import load_model
-    from specdec.v1 import common_pb2
 
     draft = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype) if cfg.model else None
-    info = None
-    if draft is not None:  # tells the coordinator the draft model's name (a metric attribute)
-        info = common_pb2.ModelInfo(name=draft.name, vocab_size=draft.vocab_size, max_context=draft.max_context,
-                                    eos_token_ids=sorted(draft.eos_token_ids))
     telemetry = _telemetry("draft", cfg, draft.name if draft is not None else None, telemetry)
-    servicer = DraftServicer(cfg.method, draft, info, telemetry=telemetry)
+    # With a draft model, GetModelInfo names it (a metric attribute) and carries its vocab_hash,
+    # which the coordinator and every draft_model session open are checked against.
+    servicer = DraftServicer(cfg.method, draft, telemetry=telemetry)
     handle = build_server(cfg, register(servicer), [SERVICE_NAME])
     handle.servicer = servicer  # type: ignore[attr-defined]
     _attach(handle, telemetry)
@@ -97,7 +94,12 @@ def start_coordinator(cfg: CoordinatorConfig, telemetry: Telemetry | None = None
     info = fetch_model_info(targets)
     telemetry = _telemetry("coordinator", cfg, info.name, telemetry)
     service = GenerationService(targets, drafts, load_tokenizer(cfg.tokenizer_model), info.name,
-                                frozenset(info.eos_token_ids), cfg.method, cfg.k, telemetry=telemetry)
+                                frozenset(info.eos_token_ids), cfg.method, cfg.k, telemetry=telemetry,
+                                vocab_hash=info.vocab_hash)
+    if drafts is not None:  # logs (and counts) draft replicas whose draft model has another vocabulary
+        from coordinator.compat import check_draft_pool
+
+        check_draft_pool(service.compat, drafts)
     handle = build_server(cfg, register(CoordinatorServicer(service)), [SERVICE_NAME])
     handle.servicer = service  # type: ignore[attr-defined]
     _attach(handle, telemetry)

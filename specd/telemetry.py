@@ -140,6 +140,14 @@ class CoordinatorMetrics:
         self.num_accepted_tokens_per_pos = c(
             "specd.spec_decode.num_accepted_tokens_per_pos", "{token}",
             "Drafts whose token at `position` (0-based) was accepted")
+        # Rollout safety: whether each finished request speculated (`specd.speculation` on/off,
+        # `specd.speculation.reason` when off), and every refusal of a draft replica.
+        self.speculation_requests = c(
+            "specd.coordinator.speculation.requests", "{request}",
+            "Finished requests by whether they speculated (specd.speculation on/off) and why not")
+        self.speculation_disabled = c(
+            "specd.coordinator.speculation.disabled", "{event}",
+            "Draft replicas found incompatible at start-up and draft sessions they refused, by reason")
         self.k = h("specd.spec_decode.k", "{token}", "Draft tokens asked for per step (the k chosen)",
                    explicit_bucket_boundaries_advisory=K_BUCKETS)
         self.draft_duration = h("specd.coordinator.draft.duration", "s",

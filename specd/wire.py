@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from specd.errors import InvalidArgument
 from specd.sampling import SamplingParams
 from specdec.v1 import common_pb2, coordinator_pb2
+
+if TYPE_CHECKING:
+    from specd.models import LoadedModel
 
 METHOD_TO_PROTO = {
     "none": common_pb2.DRAFT_METHOD_NONE,
@@ -97,3 +102,12 @@ def probs_from_proto(msg: common_pb2.DraftProbs, rows: int, vocab_size: int) -> 
             raise InvalidArgument("draft_probs.sparse", f"row {i} is malformed")
         out[i, list(row.token_ids)] = torch.tensor(list(row.probs), dtype=torch.float32)
     return out
+
+
+def model_info_of(model: "LoadedModel") -> common_pb2.ModelInfo:
+    """The ModelInfo a service reports for a loaded model (vocabulary hash included)."""
+    from specd.vocab import vocab_hash
+
+    return common_pb2.ModelInfo(name=model.name, vocab_size=model.vocab_size, max_context=model.max_context,
+                                eos_token_ids=sorted(model.eos_token_ids),
+                                vocab_hash=vocab_hash(model.tokenizer, model.vocab_size))
