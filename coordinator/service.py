@@ -308,8 +308,8 @@ class GenerationService:
                 draft_model = self.draft_model_name() if method == "draft_model" else None
                 steps = obs.begin(method, k, params, len(ids), request_id, draft_model)
             times = CallTimes()
-            verifier = RemoteVerifier(self.targets, request_id, timeout, times, steps)
-            proposer = RemoteProposer(self.drafts, method, request_id, timeout, times, steps, self.compat) if method != "none" else None  # type: ignore[arg-type]
+            verifier = self.open_verifier(request_id, timeout, times, steps)
+            proposer = self.open_proposer(method, request_id, timeout, times, steps) if method != "none" else None
             engine = SpeculativeEngine(verifier, proposer, k=k, eos_token_ids=self.eos_token_ids, decode=self.decode)
             generation = engine.generate(ids, params)
         except BaseException as exc:
@@ -318,6 +318,17 @@ class GenerationService:
             raise
         return RequestHandle(generation, params, method, k, request_id, times, TextStream(self.decode, params.stop),
                              telemetry=obs)
+
+    def open_verifier(self, request_id: str, timeout: float | None, times: CallTimes,
+                      steps: StepTelemetry | None) -> Any:
+        """One request's target side (the engine's verifier): the gRPC target pool. Another
+        transport overrides this and `open_proposer` (Ray Serve: coordinator/ray_app.py)."""
+        return RemoteVerifier(self.targets, request_id, timeout, times, steps)
+
+    def open_proposer(self, method: str, request_id: str, timeout: float | None, times: CallTimes,
+                      steps: StepTelemetry | None) -> Any:
+        """One request's draft side (the engine's proposer) for `method`: the gRPC draft pool."""
+        return RemoteProposer(self.drafts, method, request_id, timeout, times, steps, self.compat)  # type: ignore[arg-type]
 
     def track(self) -> "_Active":
         return _Active(self)
