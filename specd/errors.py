@@ -33,7 +33,12 @@ class FailedPrecondition(SpecdError):
 
 
 class ResourceExhausted(SpecdError):
-    """A capacity limit is reached (sessions, queue slots); the caller may retry later or elsewhere."""
+    """A capacity limit is reached (sessions, queue slots); the caller may retry later or elsewhere,
+    after `retry_after_ms` when given (sent as the `retry-after-ms` trailer / `Retry-After` header)."""
+
+    def __init__(self, message: str = "", retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class Unavailable(SpecdError):
