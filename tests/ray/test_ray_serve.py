@@ -1,0 +1,105 @@
+"""The Ray Serve application, locally: deployed from deploy/ray/serve_config.yaml on
+`ray.init(num_cpus=2)` with the default model, called through Serve's gRPC proxy."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from coordinator.client import build_request  # noqa: E402
+from specd.grpc_server import make_channel  # noqa: E402
+from specd.launcher import free_port  # noqa: E402
+from specd.ray_serve.deploy import DEFAULT_CONFIG, ROOT, deploy, load_config  # noqa: E402
+from specd.sampling import SamplingParams  # noqa: E402
+from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
+from tests.conftest import hf_greedy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+METADATA = (("application", "specd"),)
+
+
+@pytest.fixture(scope="module")
+def serve_app():
+    # Ray's workers inherit the environment: make the repository importable in them.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    grpc_port = free_port()
+    try:
+        client = deploy(load_config(grpc_port=grpc_port, http_port=free_port(), args={"k": 4}))
+        yield client, f"127.0.0.1:{grpc_port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_generate_through_the_grpc_proxy_is_exact(serve_app, target, workload_prompts):
+    _, address = serve_app
+    cases = []
+    for p in workload_prompts[:4]:
+        ids = target.encode(p.prompt, chat=p.chat)
+        cases.append((ids, hf_greedy(target, ids, MAX_TOKENS)))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    with make_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+        def generate(case):
+            chunks, result = [], None
+            for msg in stub.Generate(build_request(case[0], params), metadata=METADATA, timeout=120):
+                if msg.HasField("chunk"):
+                    chunks.extend(msg.chunk.token_ids)
+                else:
+                    result = msg.result
+            return chunks, result
+
+        with ThreadPoolExecutor(len(cases)) as ex:
+            outputs = list(ex.map(generate, cases))
+        unary = stub.GenerateUnary(build_request(cases[0][0], params, method="suffix"), metadata=METADATA, timeout=120)
+    drafted = 0
+    for (ids, ref), (chunks, result) in zip(cases, outputs):
+        assert chunks == ref
+        assert list(result.token_ids) == ref
+        drafted += result.stats.num_draft_tokens
+    assert drafted > 0, "no request drafted anything: the draft deployment was not used"
+    assert list(unary.token_ids) == cases[0][1]
+
+
+def test_bad_input_comes_back_as_invalid_argument(serve_app):
+    import grpc
+
+    _, address = serve_app
+    with make_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GenerateUnary(build_request([1, 2, 3], SamplingParams(max_tokens=4, top_p=2.0)), metadata=METADATA,
+                               timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_p" in err.value.details()
+
+
+def test_deployments_run_with_the_config_files_autoscaling(serve_app):
+    client, _ = serve_app
+    wanted = {d["name"]: d for d in yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["deployments"]}
+    details = client.get_serve_details()["applications"]["specd"]["deployments"]
+    assert set(details) == {"target", "draft", "coordinator"}
+    for name, spec in wanted.items():
+        config = details[name]["deployment_config"]
+        for key, value in spec["autoscaling_config"].items():
+            if key == "policy":
+                assert config["autoscaling_config"]["policy"]["policy_function"] == value["policy_function"]
+            else:
+                assert config["autoscaling_config"][key] == value, (name, key)
+        assert config["ray_actor_options"]["num_cpus"] == spec["ray_actor_options"]["num_cpus"]
+        assert details[name]["status"] == "HEALTHY"
+    for name in ("target", "draft"):
+        router = details[name]["deployment_config"]["request_router_config"]
+        assert router["request_router_class"] == "specd.ray_serve.router:SessionAffinityRouter"
