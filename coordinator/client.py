@@ -6,8 +6,10 @@ from typing import Iterator
 
 import grpc
 
+from specd.auth import auth_metadata
 from specd.grpc_server import make_channel
 from specd.sampling import SamplingParams
+from specd.tls import ClientTLS
 from specd.wire import METHOD_TO_PROTO, sampling_to_proto
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -30,15 +32,19 @@ def build_request(prompt: str | list[int], params: SamplingParams, chat: bool = 
 
 
 class CoordinatorClient:
-    def __init__(self, address: str):
-        self.channel = make_channel(address)
+    """`token`: the bearer token the coordinator requires; `tls`: its CA (and a client certificate
+    for mutual TLS); both default to none (plaintext, no token)."""
+
+    def __init__(self, address: str, token: str | None = None, tls: ClientTLS | None = None):
+        self.channel = make_channel(address, tls=tls)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.metadata = auth_metadata(token)
 
     def stream(self, request: coordinator_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[coordinator_pb2.GenerateResponse]:
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     def generate(self, request: coordinator_pb2.GenerateRequest, timeout: float | None = None) -> coordinator_pb2.GenerateResult:
-        return self.stub.GenerateUnary(request, timeout=timeout)
+        return self.stub.GenerateUnary(request, timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 import grpc
@@ -24,8 +26,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from coordinator import openai_schema as oa
+from coordinator.admission import Ticket
 from coordinator.service import GenerationService, PromptInput, RequestHandle
+from specd.auth import bearer_token, token_matches
 from specd.errors import InvalidArgument, ResourceExhausted, SpecdError, Unavailable
+from specd.tls import ServerTLS
+
+# The largest request body read (HTTP 413 beyond it), like the gRPC API's message limit.
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +52,10 @@ def error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, InvalidArgument):
         return JSONResponse(oa.error_body(str(exc), "invalid_request_error", exc.field), 400)
     if isinstance(exc, ResourceExhausted):
-        return JSONResponse(oa.error_body(str(exc), "rate_limit_error"), 429, headers={"Retry-After": "1"})
+        retry_ms = exc.retry_after_ms if exc.retry_after_ms is not None else 1000
+        # Retry-After in whole seconds (HTTP), retry-after-ms as the OpenAI clients read it.
+        headers = {"Retry-After": str(max(1, math.ceil(retry_ms / 1000))), "retry-after-ms": str(retry_ms)}
+        return JSONResponse(oa.error_body(str(exc), "rate_limit_error"), 429, headers=headers)
     if isinstance(exc, Unavailable):
         return JSONResponse(oa.error_body(str(exc), "service_unavailable"), 503)
     if isinstance(exc, grpc.RpcError):
@@ -61,10 +72,12 @@ def error_response(exc: BaseException) -> JSONResponse:
 class _Worker:
     """Runs a request's engine loop in a thread; events come back through an asyncio queue."""
 
-    def __init__(self, service: GenerationService, handle: RequestHandle, loop: asyncio.AbstractEventLoop):
+    def __init__(self, service: GenerationService, handle: RequestHandle, loop: asyncio.AbstractEventLoop,
+                 ticket: Ticket | None = None):
         self.service = service
         self.handle = handle
         self.loop = loop
+        self.ticket = ticket  # the admission slot, freed when the request ends
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stop = threading.Event()
         threading.Thread(target=self._run, daemon=True, name=f"specd-http-{handle.request_id[:8]}").start()
@@ -87,6 +100,8 @@ class _Worker:
                 self._put(("error", exc, None))
             finally:
                 self.handle.close()
+                if self.ticket is not None:
+                    self.ticket.release()
 
 
 def _sse(data: Any) -> str:
@@ -94,10 +109,18 @@ def _sse(data: Any) -> str:
 
 
 class OpenAIApp:
-    def __init__(self, service: GenerationService, model_name: str, aliases: tuple[str, ...] = ("specd",)):
+    """`token`: the bearer token every route but /health requires (None: no authentication)."""
+
+    def __init__(self, service: GenerationService, model_name: str, aliases: tuple[str, ...] = ("specd",),
+                 token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
         self.service = service
         self.model_name = model_name
         self.aliases = {model_name, *aliases}
+        self.token = token
+        self.max_body_bytes = max_body_bytes
+        # Requests that wait in the admission queue wait here, off the event loop.
+        self._queue_pool = ThreadPoolExecutor(max_workers=max(1, service.admission.max_queue),
+                                              thread_name_prefix="specd-http-queue")
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -110,7 +133,42 @@ class OpenAIApp:
             return JSONResponse({"status": "draining"}, 503)
         return JSONResponse({"status": "ok", "active_requests": self.service.active})
 
+    def _refusal(self, request: Request) -> Response | None:
+        """401 unless the request carries the bearer token (None: it may pass)."""
+        if self.token is None or token_matches(self.token, bearer_token(request.headers.get("authorization"))):
+            return None
+        return JSONResponse(oa.error_body("missing or invalid bearer token: send the header "
+                                          "'Authorization: Bearer <token>'", "invalid_request_error", None,
+                                          "invalid_api_key"), 401, headers={"WWW-Authenticate": "Bearer"})
+
+    async def _admit(self) -> Ticket:
+        """A running slot: at once when one is free, else after a wait in the queue (in a thread
+        of its own, so the event loop and the other requests go on)."""
+        admission = self.service.admission
+        entry = admission.enter()
+        if isinstance(entry, Ticket):
+            return entry
+        return await asyncio.get_running_loop().run_in_executor(self._queue_pool, admission.wait, entry)
+
+    async def _body(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _TooLarge(self.max_body_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _TooLarge(self.max_body_bytes)
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except ValueError:  # UnicodeDecodeError included: the body is not UTF-8
+            raise InvalidArgument("body", "the request body is not valid JSON (UTF-8)") from None
+
     async def models(self, request: Request) -> Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specd"}]})
 
@@ -121,13 +179,14 @@ class OpenAIApp:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: Request, chat: bool) -> Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        ticket: Ticket | None = None
         try:
             if self.service.draining:
                 raise Unavailable("the coordinator is draining; retry on another replica")
-            try:
-                body = await request.json()
-            except ValueError:
-                raise InvalidArgument("body", "the request body is not valid JSON")
+            body = await self._body(request)
             if not isinstance(body, dict):
                 raise InvalidArgument("body", "must be a JSON object")
             model = body.get("model", self.model_name)
@@ -139,10 +198,15 @@ class OpenAIApp:
             method, k = oa.parse_speculation(body)
             stream, include_usage = oa.parse_stream(body)
             carrier = request.headers if self.service.telemetry.tracing_on else None  # a client's traceparent
+            ticket = await self._admit()
             handle = self.service.start(prompt, params, method, k, trace_carrier=carrier)
+        except _TooLarge as exc:
+            return JSONResponse(oa.error_body(str(exc), "invalid_request_error", "body"), 413)
         except Exception as exc:
+            if ticket is not None:
+                ticket.release()
             return error_response(exc)
-        worker = _Worker(self.service, handle, asyncio.get_running_loop())
+        worker = _Worker(self.service, handle, asyncio.get_running_loop(), ticket)
         first = await worker.queue.get()  # the prefill: errors such as a prompt over the context surface here
         if first[0] == "error":
             return error_response(first[1])
@@ -181,6 +245,11 @@ class OpenAIApp:
             yield "data: [DONE]\n\n"
         finally:
             worker.stop.set()  # a client gone mid-stream lands here: the worker frees the sessions
+
+
+class _TooLarge(Exception):
+    def __init__(self, limit: int):
+        super().__init__(f"the request body is over the limit of {limit} bytes")
 
 
 class _Shape:
@@ -254,11 +323,14 @@ class _ChatShape(_Shape):
 class HttpServer:
     """uvicorn in a background thread of the coordinator process."""
 
-    def __init__(self, service: GenerationService, host: str, port: int, max_context: int = 0, grace_seconds: float = 10.0):
+    def __init__(self, service: GenerationService, host: str, port: int, max_context: int = 0, grace_seconds: float = 10.0,
+                 token: str | None = None, tls: ServerTLS | None = None, max_body_bytes: int = MAX_BODY_BYTES):
         self.service = service
         self.grace_seconds = grace_seconds
-        self.api = OpenAIApp(service, service.model_name)
-        config = uvicorn.Config(self.api.app, host=host, port=port, log_level="warning", lifespan="off", access_log=False)
+        self.tls = tls
+        self.api = OpenAIApp(service, service.model_name, token=token, max_body_bytes=max_body_bytes)
+        config = uvicorn.Config(self.api.app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
+                                **(tls.uvicorn_options() if tls is not None else {}))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="specd-http")
 

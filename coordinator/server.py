@@ -70,29 +70,33 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self.service.start(prompt_from_proto(request), sampling_from_proto(request.params), method, k,
                                   request.request_id, downstream_timeout(context), trace_carrier=carrier)
 
+    # Admission comes first: a request that waits in the queue holds nothing on the replicas.
+
     @grpc_errors
     def Generate(self, request, context) -> Iterator[coordinator_pb2.GenerateResponse]:
-        handle = self._start(request, context)
-        with self.service.track():
-            try:
-                for ids, text in handle:
-                    if not context.is_active():
-                        return
-                    yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(token_ids=ids, text=text))
-                yield coordinator_pb2.GenerateResponse(result=result_to_proto(handle))
-            finally:
-                handle.close()
+        with self.service.admission.acquire(downstream_timeout(context), context.is_active):
+            handle = self._start(request, context)
+            with self.service.track():
+                try:
+                    for ids, text in handle:
+                        if not context.is_active():
+                            return
+                        yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(token_ids=ids, text=text))
+                    yield coordinator_pb2.GenerateResponse(result=result_to_proto(handle))
+                finally:
+                    handle.close()
 
     @grpc_errors
     def GenerateUnary(self, request, context) -> coordinator_pb2.GenerateResult:
-        handle = self._start(request, context)
-        with self.service.track():
-            try:
-                for _ in handle:
-                    if not context.is_active():
-                        break
-            finally:
-                handle.close()
+        with self.service.admission.acquire(downstream_timeout(context), context.is_active):
+            handle = self._start(request, context)
+            with self.service.track():
+                try:
+                    for _ in handle:
+                        if not context.is_active():
+                            break
+                finally:
+                    handle.close()
         return result_to_proto(handle)
 
 

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from coordinator.compat import DraftCompat, speculation_state
+from coordinator.admission import Admission
 from coordinator.engine import Generation, SpeculativeEngine
 from coordinator.remote import CallTimes, RemoteProposer, RemoteVerifier, ReplicaPool, StepTelemetry, fetch_draft_model_info
 from specd.errors import InvalidArgument
@@ -25,6 +26,7 @@ from specd.models import encode_chat
 from specd.sampling import SamplingParams
 from specd.telemetry import Telemetry, extract_from, noop_telemetry
 from specd.text import TextStream, visible_text
+from specd.validation import RequestLimits, check_text
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +244,10 @@ class GenerationService:
         self.active = 0
         self.draining = False
         self.telemetry = telemetry or noop_telemetry()
+        # The served model's limits and the admission control, set by the server from the target's
+        # ModelInfo and the config; the defaults check nothing and admit everything.
+        self.limits = RequestLimits()
+        self.admission = Admission(max_running=1 << 30, max_queue=0)
         self._draft_model: str | None = None
         self.compat = DraftCompat(model_name, vocab_hash, self.telemetry)  # the target's identity, sent on draft opens
         self._lock = threading.Lock()
@@ -253,6 +259,7 @@ class GenerationService:
         if prompt.text is not None:
             if not prompt.text:
                 raise InvalidArgument("prompt", "the prompt is empty")
+            check_text("prompt", prompt.text)
             ids = list(self.tokenizer(prompt.text)["input_ids"])
         elif prompt.messages is not None:
             if not prompt.messages:
@@ -260,6 +267,8 @@ class GenerationService:
             bad = [m.get("role") for m in prompt.messages if m.get("role") not in CHAT_ROLES]
             if bad:
                 raise InvalidArgument("messages.role", f"unknown role {bad[0]!r}; use system, user or assistant")
+            for i, m in enumerate(prompt.messages):
+                check_text(f"messages[{i}].content", m.get("content") or "")
             ids = encode_chat(self.tokenizer, prompt.messages)
         elif prompt.token_ids is not None:
             ids = list(prompt.token_ids)
@@ -301,6 +310,7 @@ class GenerationService:
         try:
             params.validate()
             ids = self.encode(prompt)
+            self.limits.check(ids, params, request_id, from_ids=prompt.token_ids is not None)
             method, k = self.resolve_speculation(method, k)
             request_id = request_id or uuid.uuid4().hex
             steps = None

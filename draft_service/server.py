@@ -6,7 +6,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 
@@ -16,6 +16,7 @@ from specd.errors import FailedPrecondition, InvalidArgument
 from specd.grpc_server import grpc_errors
 from specd.models import LoadedModel
 from specd.telemetry import Telemetry, noop_telemetry
+from specd.validation import check_request_id
 from specd.vocab import check_vocab
 from specd.wire import METHOD_TO_PROTO, method_from_proto, model_info_of, probs_to_proto, sampling_from_proto
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -119,13 +120,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise FailedPrecondition(f"this draft replica serves {', '.join(sorted(self.proposers))}, not {method}")
         if not msg.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids", "the prompt is empty")
+        check_request_id(msg.request_id)
+        self._check_ids("prompt_token_ids", msg.prompt_token_ids, method)
         if method == "draft_model":  # model-free methods draft the target's own ids: always compatible
             check_vocab(msg.target_model, msg.target_vocab_hash, self.info.name, self.info.vocab_hash)
         return self.proposers[method].open_session(list(msg.prompt_token_ids), sampling_from_proto(msg.params))
 
+    def _check_ids(self, field: str, ids: Sequence[int], method: str) -> None:
+        """A draft model's ids must index its vocabulary; model-free methods take any id."""
+        vocab = self.info.vocab_size if method == "draft_model" else 0
+        if vocab and any(t >= vocab for t in ids):
+            raise InvalidArgument(field, f"token id {max(ids)} is outside the draft model's vocabulary (0..{vocab - 1})")
+
     def _step(self, session: DraftSession, session_id: str, step: draft_pb2.DraftStep, method: str = "") -> draft_pb2.DraftBlock:
         if step.k > MAX_K:
             raise InvalidArgument("k", f"at most {MAX_K} draft tokens per step, got {step.k}")
+        self._check_ids("appended_token_ids", step.appended_token_ids, method)
         start = time.perf_counter()
         if step.appended_token_ids:
             session.append(list(step.appended_token_ids))

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--address", default=None, help="HOST:PORT of a running coordinator (default: run embedded)")
+    _add_client_security_flags(gen)
     _add_model_flags(gen)
     _add_sampling_flags(gen)
 
@@ -62,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0: off; default 8000)")
     up.add_argument("--metrics-base-port", type=int, default=9460,
                     help="Prometheus metrics: coordinator on this port, draft on +1, target on +2 (0: off; default 9460)")
+
+    certs = sub.add_parser("certs", help="make a development CA and certificates for TLS and mutual TLS")
+    certs.add_argument("--out", required=True, metavar="DIR", help="folder to write ca.crt/.key, server.crt/.key, client.crt/.key")
+    certs.add_argument("--name", action="append", default=[], metavar="DNS_OR_IP",
+                       help="another name for the server certificate (repeatable); localhost, 127.0.0.1 and the "
+                            "Kubernetes service names are always in")
+    certs.add_argument("--namespace", default="default", help="Kubernetes namespace of the service names (default: default)")
+    certs.add_argument("--days", type=int, default=365, help="validity in days (default: 365)")
 
     bench = sub.add_parser("bench", help="benchmark methods against transformers' baselines on a prompts file")
     from coordinator.bench import add_bench_flags
@@ -94,11 +103,44 @@ def _params(args: argparse.Namespace):
     ).validate()
 
 
+def _add_client_security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-token", default=None, help="bearer token for the coordinator (default: env SPECD_API_TOKEN)")
+    p.add_argument("--api-token-file", default=None, metavar="FILE", help="file holding the bearer token")
+    p.add_argument("--tls-ca", default=None, metavar="FILE", help="CA to verify the coordinator with: connect over TLS")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate, for mutual TLS")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="key of --tls-cert")
+    p.add_argument("--server-name", default=None, help="name to check the coordinator's certificate against")
+
+
+def _client_security(args: argparse.Namespace) -> dict:
+    """CoordinatorClient's `token` and `tls` from the flags (and SPECD_API_TOKEN)."""
+    import os
+
+    from specd.auth import TOKEN_ENV, load_token
+    from specd.tls import client_tls
+
+    token = load_token(args.api_token or os.environ.get(TOKEN_ENV), args.api_token_file)
+    return {"token": token, "tls": client_tls(args.tls_ca, args.tls_cert, args.tls_key, args.server_name)}
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from specd.certs import make_dev_certs
+
+    files = make_dev_certs(args.out, args.name, args.namespace, args.days)
+    print(f"wrote a development CA and certificates to {files.folder}:\n"
+          f"  CA           {files.ca}  (ca.key: keep it off the services)\n"
+          f"  services     {files.server_cert}  {files.server_key}\n"
+          f"  clients      {files.client_cert}  {files.client_key}\n"
+          f"serve with --tls-cert {files.server_cert} --tls-key {files.server_key} --tls-ca {files.ca} "
+          f"[--require-client-cert]; the coordinator reaches TLS replicas with --upstream-ca {files.ca}")
+    return 0
+
+
 def cmd_generate_remote(args: argparse.Namespace) -> int:
     from coordinator.client import CoordinatorClient, build_request, result_to_dict
 
     request = build_request(args.prompt, _params(args), chat=args.chat, method=args.method, k=args.k)
-    with CoordinatorClient(args.address) as client:
+    with CoordinatorClient(args.address, **_client_security(args)) as client:
         if args.json:
             print(json.dumps(result_to_dict(client.generate(request))))
             return 0
@@ -175,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return up(args.port, args.target_port, args.draft_port, args.method, args.k, args.target_model, args.http_port or None,
                       metrics_base_port=args.metrics_base_port or None)
+        if args.command == "certs":
+            return cmd_certs(args)
         if args.command == "bench-telemetry":
             from coordinator.bench_telemetry import run_bench_telemetry
 

@@ -34,9 +34,10 @@ C = TypeVar("C", bound="ServiceConfig")
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, minimum: float | None = None,
-         metavar: str | None = None) -> Any:
-    """A dataclass field whose metadata drives the flag's help text and validation."""
-    metadata = {"help": help, "choices": choices, "min": minimum, "metavar": metavar}
+         metavar: str | None = None, secret: bool = False) -> Any:
+    """A dataclass field whose metadata drives the flag's help text and validation. A `secret`
+    field's value is never printed (`format_config` shows it as set or unset)."""
+    metadata = {"help": help, "choices": choices, "min": minimum, "metavar": metavar, "secret": secret}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -52,6 +53,13 @@ class ServiceConfig:
     max_workers: int = _opt(64, "gRPC handler threads", minimum=1)
     grace_seconds: float = _opt(10.0, "seconds in-flight RPCs get to finish on SIGTERM", minimum=0)
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
+    max_message_mb: int = _opt(64, "largest gRPC message in MiB, either way; larger ones get RESOURCE_EXHAUSTED",
+                               minimum=1)
+    tls_cert: str | None = _opt(None, "PEM certificate to serve TLS with (with tls_key; unset: plaintext)", metavar="FILE")
+    tls_key: str | None = _opt(None, "PEM private key of tls_cert", metavar="FILE")
+    tls_ca: str | None = _opt(None, "PEM CA bundle that signs the clients' certificates (for require_client_cert)",
+                              metavar="FILE")
+    require_client_cert: bool = _opt(False, "mutual TLS: refuse clients without a certificate signed by tls_ca")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "log_level", self.log_level.upper())
@@ -78,6 +86,8 @@ class TargetConfig(ServiceConfig):
     max_batch_size: int = _opt(16, "most verify requests sharing one forward pass", minimum=1)
     batch_wait_ms: float = _opt(2.0, "how long a forward pass waits for more requests to batch", minimum=0)
     session_ttl_s: float = _opt(600.0, "idle seconds after which a session is closed", minimum=0)
+    kv_budget_mb: float | None = _opt(None, "KV cache memory budget in MiB; caps max_sessions at budget / "
+                                      "(KV bytes per token x max context) (unset: max_sessions alone)", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,21 @@ class CoordinatorConfig(ServiceConfig):
     k: int = _opt(8, "default number of draft tokens per step", minimum=0)
     http_port: int | None = _opt(None, "HTTP (OpenAI-style) port (unset: no HTTP endpoint)", minimum=0)
     tokenizer_model: str | None = _opt(None, "tokenizer source (unset: bundled default)")
-    max_queue: int = _opt(256, "requests waiting at most; more are refused with RESOURCE_EXHAUSTED", minimum=1)
+    max_message_mb: int = _opt(4, "largest client message in MiB, either way; larger ones get RESOURCE_EXHAUSTED "
+                                  "(channels to the replicas allow 64)", minimum=1)
+    max_running: int = _opt(64, "requests generating at once; more wait in the queue", minimum=1)
+    max_queue: int = _opt(256, "requests waiting at most; more are refused with RESOURCE_EXHAUSTED", minimum=0)
+    queue_timeout_s: float = _opt(30.0, "longest wait in the queue before RESOURCE_EXHAUSTED", minimum=0)
+    api_token: str | None = _opt(None, "bearer token clients must send (prefer env SPECD_API_TOKEN or api_token_file)",
+                                 secret=True, metavar="TOKEN")
+    api_token_file: str | None = _opt(None, "file holding the bearer token clients must send", metavar="FILE")
+    upstream_ca: str | None = _opt(None, "PEM CA that signs the replicas' certificates: TLS to target and draft "
+                                   "(unset: plaintext)", metavar="FILE")
+    upstream_cert: str | None = _opt(None, "client certificate for mutual TLS to the replicas (unset: tls_cert)",
+                                     metavar="FILE")
+    upstream_key: str | None = _opt(None, "key of upstream_cert (unset: tls_key)", metavar="FILE")
+    upstream_server_name: str | None = _opt(None, "name to check the replicas' certificates against (unset: the "
+                                            "address's host)", metavar="NAME")
     step_timeout_s: float = _opt(30.0, "deadline of one draft or verify call", minimum=0)
 
 
@@ -289,6 +313,10 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
+def _is_secret(cls: type, name: str) -> bool:
+    return any(f.name == name and f.metadata.get("secret") for f in dataclasses.fields(cls))
+
+
 def format_config(cfg: ServiceConfig) -> str:
     """A multi-line dump, one `field = value (source)` line per field, for the start-up log."""
     sources = config_sources(cfg)
@@ -299,7 +327,9 @@ def format_config(cfg: ServiceConfig) -> str:
         source = sources[name]
         detail = {"flag": f"flag {flag_name(name)}", "env": f"env {env_var(name)}",
                   "file": f"file {getattr(cfg, '_file', None)}"}.get(source, source)
-        lines.append(f"  {name:<{width}} = {_format_value(getattr(cfg, name))} ({detail})")
+        value = getattr(cfg, name)
+        shown = ("(set)" if value else "(unset)") if _is_secret(type(cfg), name) else _format_value(value)
+        lines.append(f"  {name:<{width}} = {shown} ({detail})")
     return "\n".join(lines)
 
 

@@ -24,15 +24,23 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd import errors
+from specd.input_guard import InputGuardInterceptor
+from specd.tls import ClientTLS, ServerTLS, server_tls
 
 log = logging.getLogger(__name__)
 
+# The default limit on one message, both ways. Internal messages can be large (a block's dense
+# draft probabilities: k x vocabulary float32 values); services set their own with
+# `max_message_mb`, and a message over the limit is refused with RESOURCE_EXHAUSTED.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-_MESSAGE_LIMITS: list[tuple[str, Any]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+
+def message_limits(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """The gRPC options that cap a message's size at `max_bytes`, sent and received."""
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+
+
+_MESSAGE_LIMITS: list[tuple[str, Any]] = message_limits()
 
 SERVER_OPTIONS: list[tuple[str, Any]] = _MESSAGE_LIMITS + [
     # Ping idle clients now and then so connections to vanished peers are closed.
@@ -116,10 +124,16 @@ def _abort_for(exc: Exception, context: grpc.ServicerContext, method: str) -> No
         context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} ({type(exc).__name__}); see the server log")
     code, message = mapped
     log.debug("%s failed with %s: %s", method, code.name, message)
+    retry_ms = getattr(exc, "retry_after_ms", None)
+    if retry_ms is not None:  # a machine-readable retry hint beside the message's
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(int(retry_ms))),))
     context.abort(code, message)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Trailing metadata key of RESOURCE_EXHAUSTED refusals: milliseconds to wait before retrying.
+RETRY_AFTER_KEY = "retry-after-ms"
 
 
 def grpc_errors(method: F) -> F:
@@ -244,16 +258,36 @@ class ServerHandle:
         signal.signal(signal.SIGINT, on_signal)
 
 
+def server_tls_of(config: Any) -> ServerTLS | None:
+    """The TLS settings of a service config (`tls_cert`, `tls_key`, `tls_ca`,
+    `require_client_cert`; absent fields mean plaintext)."""
+    return server_tls(getattr(config, "tls_cert", None), getattr(config, "tls_key", None),
+                      getattr(config, "tls_ca", None), bool(getattr(config, "require_client_cert", False)))
+
+
+def max_message_bytes_of(config: Any) -> int:
+    mb = getattr(config, "max_message_mb", None)
+    return int(mb * 1024 * 1024) if mb else MAX_MESSAGE_BYTES
+
+
 def build_server(config: ServerConfig, register: Callable[[grpc.Server], None],
-                 service_names: Sequence[str]) -> ServerHandle:
+                 service_names: Sequence[str], *, interceptors: Sequence[grpc.ServerInterceptor] = (),
+                 tls: ServerTLS | None | bool = True, max_workers: int | None = None) -> ServerHandle:
     """Creates, binds and starts a server with `register`'s servicers, health and reflection.
 
     Health reports SERVING for "" and each of `service_names`. Port 0 binds a free port, which the
     handle's `port` tells. Raises RuntimeError when the address cannot be bound.
+
+    TLS, mutual TLS and the message size limit come from the config's `tls_*`,
+    `require_client_cert` and `max_message_mb` fields when it has them; `tls` overrides the
+    config's TLS (None: plaintext). `interceptors` run first, then the input guard, which turns
+    requests that do not parse into INVALID_ARGUMENT. `max_workers` overrides the config's.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
+    credentials = server_tls_of(config) if tls is True else (tls or None)
+    options = list({**dict(SERVER_OPTIONS), **dict(message_limits(max_message_bytes_of(config)))}.items())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers or config.max_workers,
                                                     thread_name_prefix="specd-grpc"),
-                         options=SERVER_OPTIONS)
+                         options=options, interceptors=[*interceptors, InputGuardInterceptor()])
     register(server)
 
     health_servicer = health.HealthServicer()
@@ -265,36 +299,69 @@ def build_server(config: ServerConfig, register: Callable[[grpc.Server], None],
 
     address = f"{config.host}:{config.port}"
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials.credentials())
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:  # older grpcio reports a failed bind this way
         raise RuntimeError(f"cannot listen on {address}")
     server.start()
-    log.info("serving %s on %s:%d", ", ".join(service_names), config.host, port)
+    security = "plaintext" if credentials is None else ("mutual TLS" if credentials.require_client_cert else "TLS")
+    log.info("serving %s on %s:%d (%s)", ", ".join(service_names), config.host, port, security)
     return ServerHandle(server, port, health_servicer, config.grace_seconds)
 
 
 # --- clients ---------------------------------------------------------------------------------
 
 
-def make_channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-    """An insecure channel with the servers' message size limits and keepalive; `options` add to
-    or override CHANNEL_OPTIONS."""
+# The process's default for channels made without an explicit `tls`: the coordinator sets it
+# once at start from its upstream_* settings, so every channel to a target or draft replica
+# (whoever opens it) uses TLS when the deployment does.
+_default_client_tls: ClientTLS | None = None
+
+
+def set_default_client_tls(tls: ClientTLS | None) -> None:
+    """Makes `make_channel` use `tls` (None: plaintext) when not told otherwise."""
+    global _default_client_tls
+    _default_client_tls = tls
+
+
+def default_client_tls() -> ClientTLS | None:
+    return _default_client_tls
+
+
+# Pass as `tls` to force a plaintext channel whatever the process default.
+PLAINTEXT = object()
+
+
+def make_channel(address: str, options: Sequence[tuple[str, Any]] = (), tls: ClientTLS | None | object = None) -> grpc.Channel:
+    """A channel with the servers' message size limits and keepalive; `options` add to or override
+    CHANNEL_OPTIONS. `tls`: a ClientTLS for TLS, `PLAINTEXT` to force plaintext, None for the
+    process default (`set_default_client_tls`; plaintext unless set)."""
+    if tls is None:
+        tls = _default_client_tls
     merged = dict(CHANNEL_OPTIONS)
+    if isinstance(tls, ClientTLS):
+        merged.update(tls.channel_options())
+        merged.update(options)
+        return grpc.secure_channel(address, tls.credentials(), options=list(merged.items()))
     merged.update(options)
     return grpc.insecure_channel(address, options=list(merged.items()))
 
 
-def wait_healthy(address: str, timeout: float, service: str = "") -> None:
-    """Polls the health service at `address` until `service` reports SERVING.
+
+def wait_healthy(address: str, timeout: float, service: str = "", tls: ClientTLS | None | object = None) -> None:
+    """Polls the health service at `address` until `service` reports SERVING (`tls` as in
+    `make_channel`).
 
     Raises TimeoutError naming the address and the last status or error seen.
     """
     deadline = time.monotonic() + timeout
     last = "no answer"
     request = health_pb2.HealthCheckRequest(service=service)
-    with make_channel(address) as channel:
+    with make_channel(address, tls=tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             remaining = deadline - time.monotonic()

@@ -58,7 +58,8 @@ def start_target(cfg: TargetConfig, telemetry: Telemetry | None = None) -> Serve
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     telemetry = _telemetry("target", cfg, model.name, telemetry)
     servicer = TargetServicer(model, cfg.max_sessions, cfg.max_batch_size, cfg.batch_wait_ms, cfg.session_ttl_s,
-                              telemetry=telemetry)
+                              telemetry=telemetry, kv_budget_mb=cfg.kv_budget_mb)
+    print(f"specd target session limit: {servicer.session_limit.describe()}", file=sys.stderr, flush=True)
     handle = build_server(cfg, register(servicer), [SERVICE_NAME])
     handle.add_drain_hook(servicer.drain)
     handle.servicer = servicer  # type: ignore[attr-defined]
@@ -82,6 +83,9 @@ def start_draft(cfg: DraftConfig, telemetry: Telemetry | None = None) -> ServerH
 
 
 def start_coordinator(cfg: CoordinatorConfig, telemetry: Telemetry | None = None) -> ServerHandle:
+    from specd.security import coordinator_security
+
+    security = coordinator_security(cfg)  # first: the replica channels opened below use its TLS
     from coordinator.remote import fetch_model_info
     from coordinator.replicas import PoolOptions, ReplicaPool
     from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
@@ -100,17 +104,30 @@ def start_coordinator(cfg: CoordinatorConfig, telemetry: Telemetry | None = None
         from coordinator.compat import check_draft_pool
 
         check_draft_pool(service.compat, drafts)
-    handle = build_server(cfg, register(CoordinatorServicer(service)), [SERVICE_NAME])
+    from coordinator.admission import Admission
+    from specd.auth import BearerTokenInterceptor
+    from specd.validation import RequestLimits
+
+    service.limits = RequestLimits(vocab_size=info.vocab_size, max_context=info.max_context)
+    service.admission = Admission(cfg.max_running, cfg.max_queue, cfg.queue_timeout_s)
+    # Every admitted or queued request holds a handler thread, plus some for health and reflection.
+    workers = max(cfg.max_workers, cfg.max_running + cfg.max_queue + 16)
+    handle = build_server(cfg, register(CoordinatorServicer(service)), [SERVICE_NAME], max_workers=workers,
+                          interceptors=[BearerTokenInterceptor(security.token)] if security.token else [])
+    print(f"specd coordinator security: {security.describe()}; admission: {cfg.max_running} running, "
+          f"{cfg.max_queue} queued", file=sys.stderr, flush=True)
     handle.servicer = service  # type: ignore[attr-defined]
     _attach(handle, telemetry)
     if cfg.http_port is not None:
         from coordinator.http_api import HttpServer
 
-        http = HttpServer(service, cfg.host, cfg.http_port, grace_seconds=cfg.grace_seconds)
+        http = HttpServer(service, cfg.host, cfg.http_port, grace_seconds=cfg.grace_seconds, token=security.token,
+                          tls=security.server, max_body_bytes=cfg.max_message_mb * 1024 * 1024)
         http.start()
         handle.add_drain_hook(http.drain)
         handle.http = http  # type: ignore[attr-defined]
-        print(f"specd coordinator HTTP (OpenAI-compatible) on http://{cfg.host}:{http.port}/v1", file=sys.stderr, flush=True)
+        scheme = "https" if security.server is not None else "http"
+        print(f"specd coordinator HTTP (OpenAI-compatible) on {scheme}://{cfg.host}:{http.port}/v1", file=sys.stderr, flush=True)
     return handle
 
 

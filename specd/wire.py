@@ -93,7 +93,8 @@ def probs_from_proto(msg: common_pb2.DraftProbs, rows: int, vocab_size: int) -> 
     if msg.dense:
         if len(msg.dense) != rows * vocab_size * 4:
             raise InvalidArgument("draft_probs.dense", f"expected {rows} rows of {vocab_size} float32 values")
-        return torch.from_numpy(np.frombuffer(msg.dense, dtype="<f4").reshape(rows, vocab_size).copy())
+        return _checked_probs(torch.from_numpy(np.frombuffer(msg.dense, dtype="<f4").reshape(rows, vocab_size).copy()),
+                              "draft_probs.dense")
     if len(msg.sparse) != rows:
         raise InvalidArgument("draft_probs.sparse", f"expected {rows} rows, got {len(msg.sparse)}")
     out = torch.zeros(rows, vocab_size)
@@ -101,7 +102,17 @@ def probs_from_proto(msg: common_pb2.DraftProbs, rows: int, vocab_size: int) -> 
         if len(row.token_ids) != len(row.probs) or any(t >= vocab_size for t in row.token_ids):
             raise InvalidArgument("draft_probs.sparse", f"row {i} is malformed")
         out[i, list(row.token_ids)] = torch.tensor(list(row.probs), dtype=torch.float32)
-    return out
+    return _checked_probs(out, "draft_probs.sparse")
+
+
+def _checked_probs(q: torch.Tensor, field: str) -> torch.Tensor:
+    """Rows of a distribution: finite, non-negative, each with some mass (the rejection sampler
+    divides by them)."""
+    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+        raise InvalidArgument(field, "probabilities must be finite and >= 0")
+    if q.numel() and not bool((q.sum(dim=-1) > 0).all()):
+        raise InvalidArgument(field, "every row needs a positive probability")
+    return q
 
 
 def model_info_of(model: "LoadedModel") -> common_pb2.ModelInfo:

@@ -40,6 +40,10 @@ class KVPool:
         self.v = self._zeros(slots, capacity)
         self._free = list(range(slots))
         heapq.heapify(self._free)
+        # Growth caps (None: none): the target sets them from its session limit and the model's
+        # context, so doubling never takes the pool past the KV budget.
+        self.max_slots: int | None = None
+        self.max_capacity: int | None = None
 
     def _zeros(self, slots: int, capacity: int) -> torch.Tensor:
         s = self.shape
@@ -60,7 +64,8 @@ class KVPool:
     def allocate(self) -> int:
         """The lowest free slot (low slots keep batches contiguous, which avoids gathers)."""
         if not self._free:
-            self._resize(self.slots * 2, self.capacity)
+            slots = self.slots * 2 if self.max_slots is None else min(self.slots * 2, max(self.max_slots, self.slots + 1))
+            self._resize(slots, self.capacity)
         return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
@@ -71,6 +76,8 @@ class KVPool:
             capacity = self.capacity
             while capacity < positions:
                 capacity *= 2
+            if self.max_capacity is not None:
+                capacity = min(capacity, max(positions, self.max_capacity))
             self._resize(self.slots, capacity)
 
     def _resize(self, slots: int, capacity: int) -> None:

@@ -14,9 +14,12 @@ from specd.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specd.grpc_server import grpc_errors
 from specd.models import LoadedModel
 from specd.telemetry import Telemetry, noop_telemetry
+from specd.validation import check_request_id
 from specd.vocab import vocab_hash
 from specd.wire import probs_from_proto, sampling_from_proto
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.kv_budget import session_limit
+from target_service.kv_pool import KVShape
 from target_service.scheduler import VerifyScheduler
 from target_service.verifier import TargetModel, TargetSession
 
@@ -26,7 +29,7 @@ SERVICE_NAME = "specdec.v1.TargetService"
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, model: LoadedModel, max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
-                 session_ttl_s: float = 600.0, telemetry: Telemetry | None = None):
+                 session_ttl_s: float = 600.0, telemetry: Telemetry | None = None, kv_budget_mb: float | None = None):
         self.model = model
         self.telemetry = telemetry or noop_telemetry()
         self.session_ttl_s = session_ttl_s
@@ -37,7 +40,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms, self.telemetry)
         if self.telemetry.metrics_on:
             self.telemetry.target.observe(lambda: len(self.target.sessions), lambda: self.scheduler.queue_depth)
-        self.max_sessions = max_sessions
+        # The session limit: max_sessions, or fewer when a KV budget holds fewer worst-case sessions;
+        # the pool never grows past it, nor past the model's context.
+        self.session_limit = session_limit(max_sessions, KVShape.of(model.model.config).bytes_per_token(model.dtype),
+                                           model.max_context, kv_budget_mb)
+        self.max_sessions = self.session_limit.max_sessions
+        self.target.forward.pool.max_slots = self.max_sessions
+        self.target.forward.pool.max_capacity = model.max_context
+        log.info("target session limit: %s", self.session_limit.describe())
         self.max_batch_size = max_batch_size
         self.draining = False
         self._admission = threading.Lock()
@@ -141,6 +151,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _open(self, msg: target_pb2.OpenTargetSession) -> TargetSession:
         if self.draining:
             raise Unavailable("this target replica is draining; open the session on another replica")
+        check_request_id(msg.request_id)
         params = sampling_from_proto(msg.params)
         with self._admission:
             if len(self.target.sessions) >= self.max_sessions:
