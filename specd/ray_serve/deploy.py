@@ -17,8 +17,11 @@ DEFAULT_CONFIG = ROOT / "deploy" / "ray" / "serve_config.yaml"
 
 
 def load_config(path: str | Path = DEFAULT_CONFIG, *, grpc_port: int | None = None, http_port: int | None = None,
-                args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config file as a dict, with the given ports and application args replaced."""
+                args: dict[str, Any] | None = None,
+                deployments: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The config file as a dict, with the given ports and application args replaced, and
+    `deployments` (name -> options) merged into its deployments (one level deep: a dict option
+    such as autoscaling_config is updated, not replaced)."""
     config = yaml.safe_load(Path(path).read_text())
     if grpc_port is not None:
         config.setdefault("grpc_options", {})["port"] = grpc_port
@@ -27,6 +30,15 @@ def load_config(path: str | Path = DEFAULT_CONFIG, *, grpc_port: int | None = No
     if args:
         for app in config["applications"]:
             app.setdefault("args", {}).update(args)
+    for name, options in (deployments or {}).items():
+        for app in config["applications"]:
+            for dep in app.get("deployments", []):
+                if dep["name"] == name:
+                    for key, value in options.items():
+                        if isinstance(value, dict) and isinstance(dep.get(key), dict):
+                            dep[key].update(value)
+                        else:
+                            dep[key] = value
     return config
 
 

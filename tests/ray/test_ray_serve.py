@@ -34,16 +34,33 @@ def serve_app():
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     grpc_port = free_port()
+    # Two target replicas (half a CPU each, to fit 2 CPUs), so that session affinity is exercised.
+    config = load_config(grpc_port=grpc_port, http_port=free_port(), args={"k": 4},
+                         deployments={"target": {"ray_actor_options": {"num_cpus": 0.5},
+                                                 "autoscaling_config": {"initial_replicas": 2}}})
     try:
-        client = deploy(load_config(grpc_port=grpc_port, http_port=free_port(), args={"k": 4}))
+        client = deploy(config)
         yield client, f"127.0.0.1:{grpc_port}"
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def test_generate_through_the_grpc_proxy_is_exact(serve_app, target, workload_prompts):
-    _, address = serve_app
+def target_replica_stats(client) -> dict[str, dict]:
+    """Each target replica's own stats, reached by a session id that names it (the router's rule)."""
+    replicas = client.get_serve_details()["applications"]["specd"]["deployments"]["target"]["replicas"]
+    handle = serve.get_deployment_handle("target", "specd")
+    out = {}
+    for r in replicas:
+        rid = r["replica_id"]
+        out[rid] = handle.options(session_id=f"{rid}/0").stats.remote().result(timeout_s=30)
+    return out
+
+
+def test_generate_through_the_grpc_proxy_is_exact_with_sessions_on_both_targets(serve_app, target, workload_prompts):
+    client, address = serve_app
+    before = target_replica_stats(client)
+    assert len(before) == 2 and all(rid == s["replica"] for rid, s in before.items())
     cases = []
     for p in workload_prompts[:4]:
         ids = target.encode(p.prompt, chat=p.chat)
@@ -64,6 +81,8 @@ def test_generate_through_the_grpc_proxy_is_exact(serve_app, target, workload_pr
         with ThreadPoolExecutor(len(cases)) as ex:
             outputs = list(ex.map(generate, cases))
         unary = stub.GenerateUnary(build_request(cases[0][0], params, method="suffix"), metadata=METADATA, timeout=120)
+        # The only application on the proxy is found without the metadata too (`specd generate --address`).
+        bare = stub.GenerateUnary(build_request(cases[1][0], params), timeout=120)
     drafted = 0
     for (ids, ref), (chunks, result) in zip(cases, outputs):
         assert chunks == ref
@@ -71,6 +90,12 @@ def test_generate_through_the_grpc_proxy_is_exact(serve_app, target, workload_pr
         drafted += result.stats.num_draft_tokens
     assert drafted > 0, "no request drafted anything: the draft deployment was not used"
     assert list(unary.token_ids) == cases[0][1]
+    assert list(bare.token_ids) == cases[1][1]
+    # Both target replicas verified sessions, and every verify found its session on the replica
+    # that held it (a call routed elsewhere fails with NOT_FOUND, and the outputs would not be exact).
+    after = target_replica_stats(client)
+    assert all(after[rid]["forward_passes"] > before[rid]["forward_passes"] for rid in after), (before, after)
+    assert all(s["open_sessions"] == 0 for s in after.values())
 
 
 def test_bad_input_comes_back_as_invalid_argument(serve_app):
@@ -98,7 +123,8 @@ def test_deployments_run_with_the_config_files_autoscaling(serve_app):
                 assert config["autoscaling_config"]["policy"]["policy_function"] == value["policy_function"]
             else:
                 assert config["autoscaling_config"][key] == value, (name, key)
-        assert config["ray_actor_options"]["num_cpus"] == spec["ray_actor_options"]["num_cpus"]
+        num_cpus = 0.5 if name == "target" else spec["ray_actor_options"]["num_cpus"]  # the fixture halves the target's
+        assert config["ray_actor_options"]["num_cpus"] == num_cpus
         assert details[name]["status"] == "HEALTHY"
     for name in ("target", "draft"):
         router = details[name]["deployment_config"]["request_router_config"]
