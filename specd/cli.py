@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--namespace", default="default", help="Kubernetes namespace of the service names (default: default)")
     certs.add_argument("--days", type=int, default=365, help="validity in days (default: 365)")
 
+    diff = sub.add_parser("diff", help="rollout check: every prompt greedily with speculation off and on; exit 0 only "
+                                       "when every output is identical")
+    from coordinator.diff import add_diff_flags
+
+    add_diff_flags(diff)
+
     bench = sub.add_parser("bench", help="benchmark methods against transformers' baselines on a prompts file")
     from coordinator.bench import add_bench_flags
 
@@ -219,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       metrics_base_port=args.metrics_base_port or None)
         if args.command == "certs":
             return cmd_certs(args)
+        if args.command == "diff":
+            from coordinator.diff import diff_main
+
+            return diff_main(args)
         if args.command == "bench-telemetry":
             from coordinator.bench_telemetry import run_bench_telemetry
 
