@@ -31,7 +31,8 @@ METADATA = (("application", "specd"),)
 @pytest.fixture(scope="module")
 def serve_app():
     # Ray's workers inherit the environment: make the repository importable in them.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     grpc_port = free_port()
     # Two target replicas (half a CPU each, to fit 2 CPUs), so that session affinity is exercised.
@@ -44,6 +45,10 @@ def serve_app():
     finally:
         serve.shutdown()
         ray.shutdown()
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def target_replica_stats(client) -> dict[str, dict]:
