@@ -40,6 +40,10 @@ class Overloaded(ResourceExhausted):
         super().__init__(f"{message}; retry in {retry_after_ms} ms", retry_after_ms=retry_after_ms)
 
 
+class QueueDeadline(TimeoutError):
+    """The caller's deadline passed while it waited in the queue (DEADLINE_EXCEEDED)."""
+
+
 @dataclass
 class AdmissionStats:
     running: int
@@ -142,6 +146,8 @@ class Admission:
                 self._queue.remove(waiter)
             elif not gone:
                 return Ticket(self)
+            if not gone and wait < self.queue_timeout_s:  # the caller's own deadline ran out first
+                raise QueueDeadline(f"the request's deadline passed after {wait:.3g} s in the queue")
             if not gone:
                 raise self._refuse(f"no capacity within {wait:g} s in the queue")
         if handed:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specd.grpc_server import wait_healthy
+from specd.tls import ClientTLS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,8 +60,9 @@ class Service:
 
 
 def start_service(service: str, args: list[str], log_dir: Path, timeout: float = 180.0,
-                  metrics_port: int | None = None) -> Service:
-    """`metrics_port`: serve Prometheus metrics there (0: a free port; None: no endpoint)."""
+                  metrics_port: int | None = None, tls: ClientTLS | None = None) -> Service:
+    """`metrics_port`: serve Prometheus metrics there (0: a free port; None: no endpoint).
+    `tls`: how to reach the service's health check when it serves TLS."""
     if metrics_port == 0:
         metrics_port = free_port()
     if metrics_port is not None:
@@ -71,7 +73,7 @@ def start_service(service: str, args: list[str], log_dir: Path, timeout: float =
     proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "serve", service, "--port", str(port), *args],
                             cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     try:
-        wait_healthy(f"127.0.0.1:{port}", timeout)
+        wait_healthy(f"127.0.0.1:{port}", timeout, tls=tls)
     except TimeoutError:
         proc.kill()
         raise RuntimeError(f"{service} did not become healthy; its log:\n{log.read_text()[-3000:]}")
