@@ -183,3 +183,13 @@ def test_specd_certs_writes_a_ca_and_certificates(tmp_path: Path, capsys):
     assert {str(ip) for ip in names.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "::1"}
     ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
     cert.verify_directly_issued_by(ca)
+
+
+def test_container_health_check_uses_the_services_tls_settings(mtls_target, ours):
+    from specd.healthcheck import check, tls_from_env
+
+    address = f"127.0.0.1:{mtls_target.port}"
+    env = {"SPECD_TLS_CERT": ours.server_cert, "SPECD_TLS_KEY": ours.server_key, "SPECD_TLS_CA": ours.ca}
+    assert tls_from_env({}) is None
+    assert check(address, TARGET_SERVICE, tls=tls_from_env(env)) == "SERVING"
+    assert check(address, TARGET_SERVICE, timeout=2) != "SERVING"  # plaintext against mutual TLS
