@@ -49,6 +49,19 @@ class KVPool:
         s = self.shape
         return torch.zeros(s.num_layers, slots, s.num_kv_heads, capacity, s.head_dim, dtype=self.dtype, device=self.device)
 
+    def set_limits(self, max_slots: int | None, max_capacity: int | None) -> None:
+        """Caps growth at `max_slots` rows of `max_capacity` positions; a pool with nothing
+        allocated yet that is already larger shrinks to them now."""
+        self.max_slots, self.max_capacity = max_slots, max_capacity
+        if len(self._free) != self.slots:
+            return
+        slots = self.slots if max_slots is None else min(self.slots, max_slots)
+        capacity = self.capacity if max_capacity is None else min(self.capacity, max_capacity)
+        if (slots, capacity) != (self.slots, self.capacity):
+            self.k, self.v = self._zeros(slots, capacity), self._zeros(slots, capacity)
+            self._free = list(range(slots))
+            heapq.heapify(self._free)
+
     @property
     def slots(self) -> int:
         return self.k.shape[1]

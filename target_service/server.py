@@ -45,8 +45,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.session_limit = session_limit(max_sessions, KVShape.of(model.model.config).bytes_per_token(model.dtype),
                                            model.max_context, kv_budget_mb)
         self.max_sessions = self.session_limit.max_sessions
-        self.target.forward.pool.max_slots = self.max_sessions
-        self.target.forward.pool.max_capacity = model.max_context
+        self.target.forward.pool.set_limits(self.max_sessions, model.max_context)
         log.info("target session limit: %s", self.session_limit.describe())
         self.max_batch_size = max_batch_size
         self.draining = False
