@@ -10,14 +10,18 @@ with neither, ids outside the vocabulary, blocks that do not fit, malformed draf
 
 from __future__ import annotations
 
+import json
 import queue
 import struct
 
 import grpc
+import httpx
 import pytest
 
+from coordinator.admission import Admission
+
 from coordinator.client import CoordinatorClient, build_request
-from specd.grpc_server import make_channel
+from specd.grpc_server import RETRY_AFTER_KEY, make_channel
 from specd.sampling import MAX_STOP_STRINGS, SamplingParams
 from specd.wire import sampling_to_proto
 from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -28,7 +32,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = start_inprocess_stack(save_tiny_model(tmp_path_factory.mktemp("tiny")))
+    s = start_inprocess_stack(save_tiny_model(tmp_path_factory.mktemp("tiny")), coordinator_overrides={"http_port": 0})
     yield s
     s.stop()
 
@@ -281,3 +285,47 @@ def test_messages_over_the_size_limit_are_resource_exhausted(client):
     err = refusal(lambda: client.generate(req(prompt="x" * (5 * 1024 * 1024), params=params()), timeout=30))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # the coordinator takes 4 MiB by default
     assert_still_serving(client)
+
+
+# --- the HTTP API -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=f"http://127.0.0.1:{stack.coordinator.http.port}", timeout=30) as c:
+        yield c
+
+
+def test_http_bad_bodies(http):
+    reply = http.post("/v1/completions", content=b'{"prompt": "x' + b"y" * (5 * 1024 * 1024) + b'"}',
+                      headers={"Content-Type": "application/json"})
+    assert reply.status_code == 413 and reply.json()["error"]["param"] == "body"
+    reply = http.post("/v1/completions", content=b'{"prompt": "h\xff"}', headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and "not valid JSON (UTF-8)" in reply.json()["error"]["message"]
+    surrogate = json.dumps({"prompt": "\ud800 hi", "max_tokens": 2}).encode()  # valid JSON, not valid text
+    reply = http.post("/v1/completions", content=surrogate, headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+    assert "not valid UTF-8" in reply.json()["error"]["message"]
+    reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_full_admission_is_429_and_resource_exhausted_with_a_retry_hint(stack, http, client):
+    service = stack.coordinator.servicer
+    saved, service.admission = service.admission, Admission(max_running=1, max_queue=0)
+    held = service.admission.acquire()
+    try:
+        reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert reply.status_code == 429 and reply.headers["Retry-After"] == "1"
+        assert int(reply.headers["retry-after-ms"]) >= 100 and "retry in" in reply.json()["error"]["message"]
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.GenerateUnary.with_call(req(prompt="hi", params=params()), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in" in err.value.details()
+        assert int(dict(err.value.trailing_metadata())[RETRY_AFTER_KEY]) >= 100
+        held.release()
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert_still_serving(client)
+        assert service.admission.stats.running == 0
+    finally:
+        held.release()
+        service.admission = saved
