@@ -7,10 +7,11 @@ Writes, into one folder (PEM files; keys readable by the owner only):
                             presents it to the target and draft replicas as its client certificate
     client.crt, client.key  for clients of the coordinator when it requires client certificates
 
-The server certificate names localhost, 127.0.0.1, ::1 and the Kubernetes service names of the
-three services (`specd-target`, `specd-draft`, `specd-coordinator`, with `.NAMESPACE`,
-`.NAMESPACE.svc` and `.NAMESPACE.svc.cluster.local`, and wildcards under each for the pods of
-headless services), plus any `extra_names`. For development and tests only: production
+The server certificate names localhost, 127.0.0.1, ::1, `specd` (for `--upstream-server-name`
+when replicas are dialled by pod IP) and the Kubernetes service names (`specd-target`,
+`specd-draft`, `specd-coordinator` and the `-headless` pools, with `.NAMESPACE`, `.NAMESPACE.svc`
+and `.NAMESPACE.svc.cluster.local`, and wildcards under each for the pods of headless services),
+plus any `extra_names`. For development and tests only: production
 certificates come from the cluster's issuer (e.g. cert-manager) in the same file layout.
 """
 
@@ -28,8 +29,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-SERVICE_NAMES = ("specd-target", "specd-draft", "specd-coordinator")
-LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+SERVICE_NAMES = ("specd-target", "specd-draft", "specd-coordinator", "specd-target-headless", "specd-draft-headless")
+# "specd": one name every service's certificate has, for --upstream-server-name when the
+# coordinator dials replicas by pod IP (dns:/// discovery), which no certificate names.
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1", "specd")
 
 
 @dataclass(frozen=True)

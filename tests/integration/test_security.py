@@ -84,7 +84,7 @@ def test_tls_client_refuses_a_server_of_another_ca(mtls_target, ours, theirs):
 
 def test_server_certificate_names_hold_for_kubernetes_service_names(mtls_target, ours):
     address = f"127.0.0.1:{mtls_target.port}"
-    for name in ("localhost", "specd-target", "specd-target-0.specd-target.default.svc.cluster.local"):
+    for name in ("localhost", "specd", "specd-target", "specd-target-0.specd-target.default.svc.cluster.local"):
         assert model_info(address, ClientTLS(ours.ca, ours.client_cert, ours.client_key, server_name=name)) == MODEL_INFO
     assert refused(address, ClientTLS(ours.ca, ours.client_cert, ours.client_key, server_name="evil.example")) \
         in HANDSHAKE_REFUSED
@@ -178,8 +178,8 @@ def test_specd_certs_writes_a_ca_and_certificates(tmp_path: Path, capsys):
     cert = x509.load_pem_x509_certificate((tmp_path / "server.crt").read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     dns = set(names.get_values_for_type(x509.DNSName))
-    assert {"localhost", "specd.example.com", "specd-target", "specd-coordinator.llm.svc.cluster.local",
-            "*.specd-draft.llm.svc"} <= dns
+    assert {"localhost", "specd", "specd.example.com", "specd-target", "specd-coordinator.llm.svc.cluster.local",
+            "*.specd-draft.llm.svc", "specd-target-headless.llm.svc.cluster.local"} <= dns
     assert {str(ip) for ip in names.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "::1"}
     ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
     cert.verify_directly_issued_by(ca)
