@@ -345,8 +345,9 @@ def parse_k(text: str | None) -> int | str | None:
     return text  # "auto" or another depth policy: the engine (or coordinator) validates it
 
 
-def _runner(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
-    """The runner the flags ask for, and what closes it."""
+def _runner(args: argparse.Namespace, client_options: dict[str, Any] | None) -> tuple[Any, Callable[[], None]]:
+    """The runner the flags ask for, and what closes it; `client_options` (token, TLS) go to the
+    coordinator client."""
     if args.address:
         from coordinator.client import CoordinatorClient
         from specd.models import load_tokenizer
@@ -356,7 +357,7 @@ def _runner(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         except Exception as exc:  # only for showing tokens: ids will do
             print(f"specd diff: no tokenizer ({exc}); differing tokens are shown as ids", file=sys.stderr)
             tokenizer = None
-        client = CoordinatorClient(args.address)
+        client = CoordinatorClient(args.address, **(client_options or {}))
         return RemoteRunner(client, tokenizer), client.close
     from specd.models import load_model
 
@@ -364,9 +365,9 @@ def _runner(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     return EmbeddedRunner(target, args.draft_model, args.device, args.dtype), lambda: None
 
 
-def diff_main(args: argparse.Namespace, runner: Any | None = None) -> int:
+def diff_main(args: argparse.Namespace, runner: Any | None = None, client_options: dict[str, Any] | None = None) -> int:
     """`specd diff`: 0 when every output is identical, 1 when any differs. `runner` replaces the
-    one the flags ask for (tests)."""
+    one the flags ask for (tests); `client_options` are CoordinatorClient's (token, tls)."""
     remote = bool(args.address)
     methods = parse_methods(args.method, remote)
     k = parse_k(args.k)
@@ -377,7 +378,7 @@ def diff_main(args: argparse.Namespace, runner: Any | None = None) -> int:
         raise InvalidArgument("max_tokens", f"must be at least 1, got {args.max_tokens}")
     close: Callable[[], None] = lambda: None
     if runner is None:
-        runner, close = _runner(args)
+        runner, close = _runner(args, client_options)
     try:
         runner.warm_up()
         start = time.perf_counter()

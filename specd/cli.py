@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     from coordinator.diff import add_diff_flags
 
     add_diff_flags(diff)
+    _add_client_security_flags(diff)
 
     bench = sub.add_parser("bench", help="benchmark methods against transformers' baselines on a prompts file")
     from coordinator.bench import add_bench_flags
@@ -228,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "diff":
             from coordinator.diff import diff_main
 
-            return diff_main(args)
+            return diff_main(args, client_options=_client_security(args) if args.address else None)
         if args.command == "bench-telemetry":
             from coordinator.bench_telemetry import run_bench_telemetry
 
