@@ -15,7 +15,9 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 def build_request(prompt: str | list[int], params: SamplingParams, chat: bool = False, method: str | None = None,
-                  k: int | None = None, request_id: str = "") -> coordinator_pb2.GenerateRequest:
+                  k: int | str | None = None, request_id: str = "",
+                  pipeline: bool | None = None) -> coordinator_pb2.GenerateRequest:
+    """k: a fixed depth (int or digits) or a depth policy ("auto", "schedule:...", "...,floor=A")."""
     req = coordinator_pb2.GenerateRequest(params=sampling_to_proto(params), request_id=request_id)
     if isinstance(prompt, list):
         req.prompt_token_ids.ids.extend(prompt)
@@ -23,11 +25,15 @@ def build_request(prompt: str | list[int], params: SamplingParams, chat: bool = 
         req.messages.messages.add(role="user", content=prompt)
     else:
         req.prompt = prompt
-    if method is not None or k is not None:
-        if method is not None:
-            req.speculation.method = METHOD_TO_PROTO[method]
-        if k is not None:
-            req.speculation.k = k
+    if method is not None:
+        req.speculation.method = METHOD_TO_PROTO[method]
+    if k is not None:
+        if isinstance(k, int) or str(k).strip().isdigit():
+            req.speculation.k = int(k)
+        else:
+            req.speculation.depth = str(k)
+    if pipeline is not None:
+        req.speculation.pipeline = pipeline
     return req
 
 

@@ -295,12 +295,14 @@ class CostModel:
         batch_growth: float = 1.0 / 7.0,
         draft_per_token_ms: float = 0.0,
         window: float = 64.0,
+        prior_points: float = 2.0,
     ):
         self.prior_verify_ms = verify_ms
         self.prior_per_token_ms = per_token_ms
         self.prior_batch_growth = batch_growth
         self.prior_draft_per_token_ms = draft_per_token_ms
         self.window = window
+        self.prior_points = prior_points
         self._verify: dict[int, dict[int, _Mean]] = {}
         self._draft: dict[int, _Mean] = {}
         self._lines: dict[int, tuple[float, float]] = {}
@@ -345,15 +347,22 @@ class CostModel:
         return self.prior_verify_ms * (1.0 + self.prior_batch_growth * (b - 1)), self.prior_per_token_ms * b
 
     def _observed_line(self, b: int) -> tuple[float, float]:
+        """The line through the cells at b. Its slope (cost per extra position) is the weighted
+        least-squares slope shrunk toward the prior's slope scaled to the cells' level, with the
+        prior counting as `prior_points` samples: a few noisy samples (a pass that shared the
+        cores with something else) cannot tilt the line wildly, many samples outweigh the prior.
+        One cell alone gives the prior's shape through it."""
         cells = self._verify[b]
-        line = _fit_line([(n, c.mean, c.weight(self.window)) for n, c in cells.items()])
-        if line is not None:
-            return line
-        (n, cell), = cells.items()
         c0, m0 = self._prior_line(b)
-        scale = cell.mean / (c0 + m0 * (n - 1)) if c0 + m0 * (n - 1) > 0 else 1.0
-        slope = m0 * scale
-        return cell.mean - slope * (n - 1), slope
+        points = [(float(n), c.mean, c.weight(self.window)) for n, c in cells.items()]
+        total = sum(w for _, _, w in points)
+        scale = sum(w * y / (c0 + m0 * (n - 1)) for n, y, w in points) / total if c0 > 0 else 1.0
+        prior_slope = m0 * scale
+        fit = _fit_line(points)
+        slope = prior_slope if fit is None else (total * fit[1] + self.prior_points * prior_slope) / (total + self.prior_points)
+        mean_n = sum(n * w for n, _, w in points) / total
+        mean_y = sum(y * w for _, y, w in points) / total
+        return mean_y - slope * (mean_n - 1.0), slope
 
     def _line(self, b: int) -> tuple[float, float]:
         """(cost at block length 1, cost per extra position) at batch size b."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.depth import DepthPolicy
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import make_proposer
 from specd.models import LoadedModel, load_model
@@ -16,9 +17,11 @@ class EngineOptions:
     target_model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     method: str = "ngram"
     draft_model: str | None = None  # "target" drafts with (a second session of) the target itself
-    k: int = 8
+    k: int | str = "auto"  # a fixed k, or a depth policy: "auto", "schedule:B=K,...", "...,floor=A"
     device: str = "cpu"
     dtype: str | None = None
+    k_max: int = 8
+    pipeline: bool = False
 
 
 def load_draft(spec: str | None, target: LoadedModel, device: str, dtype: str | None) -> LoadedModel | None:
@@ -37,11 +40,22 @@ def build_engine(opts: EngineOptions, target: LoadedModel | None = None) -> tupl
         check_vocab(target.name, vocab_hash(target.tokenizer, target.vocab_size),
                     draft.name, vocab_hash(draft.tokenizer, draft.vocab_size))
     proposer = make_proposer(opts.method, draft)
+    k, policy = depth_options(opts.k, opts.k_max)
     engine = SpeculativeEngine(
         TargetModel(target),
         proposer,
-        k=opts.k,
+        k=k,
         eos_token_ids=target.eos_token_ids,
         decode=target.decode if target.tokenizer is not None else None,
+        depth=policy,
+        pipeline=opts.pipeline,
     )
     return engine, target
+
+
+def depth_options(k: int | str, k_max: int = 8) -> tuple[int, DepthPolicy | None]:
+    """(fixed k, None) for an integer depth, else (k_max, a DepthPolicy for the spec)."""
+    text = str(k).strip()
+    if text.isdigit():
+        return int(text), None
+    return k_max, DepthPolicy(text, k_max)

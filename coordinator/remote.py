@@ -46,6 +46,13 @@ class LockstepStream:
         self._requests.put(request)
         return next(self._replies)
 
+    def send(self, request: Any) -> None:
+        """Half of `call`: the reply is read later with `receive` (pipelined drafting)."""
+        self._requests.put(request)
+
+    def receive(self) -> Any:
+        return next(self._replies)
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -107,6 +114,13 @@ class StepTelemetry:
         m.draft_duration.record(seconds, self.attrs)
 
 
+@dataclass
+class RemoteVerifyOutcome(VerifyOutcome):
+    """A verify result plus how many sessions shared its forward pass (for the cost model)."""
+
+    batch_size: int = 1
+
+
 class RemoteTargetSession:
     def __init__(self, pool: ReplicaPool, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
                  timeout: float | None, times: CallTimes, telemetry: StepTelemetry | None = None):
@@ -165,7 +179,8 @@ class RemoteTargetSession:
         if tel is not None and tel.metrics:
             tel.record_verify(len(proposal.tokens), reply.num_accepted, wall)
         self._room = reply.context_room
-        return VerifyOutcome(num_accepted=reply.num_accepted, tokens=list(reply.token_ids))
+        return RemoteVerifyOutcome(num_accepted=reply.num_accepted, tokens=list(reply.token_ids),
+                                   batch_size=max(int(reply.batch_size), 1))
 
     def close(self) -> None:
         if not self.stream.closed:
@@ -238,6 +253,28 @@ class RemoteDraftSession:
         probs = probs_from_proto(block.probs, len(tokens), block.probs.vocab_size) if tokens else None
         return Proposal(tokens, probs)
 
+    def start_ahead(self, assumed: Sequence[int], k: int) -> "_PendingBlock":
+        """Pipelined drafting: send the step now (with the buffered feedback and the block being
+        verified as `assumed_token_ids`); the engine reads the block after its verify call."""
+        request = draft_pb2.DraftRequest(step=draft_pb2.DraftStep(
+            appended_token_ids=self._appended, k=k, assumed_token_ids=list(assumed)))
+        tel = self.telemetry
+        if tel is not None and tel.tracing and tel.parent is not None:
+            inject_into(tel.parent, request.trace_context)
+        self._appended = []
+        self.stream.send(request)
+        return _PendingBlock(self, k, time.perf_counter())
+
+    def _finish_ahead(self, k: int, sent_at: float) -> Proposal:
+        block = self.stream.receive()
+        wall = time.perf_counter() - sent_at
+        self.times.draft_ms += block.draft_ms  # its wall time overlapped the verify call: not counted as RPC overhead
+        if self.telemetry is not None and self.telemetry.metrics:
+            self.telemetry.record_draft(k, wall)
+        tokens = list(block.token_ids)
+        probs = probs_from_proto(block.probs, len(tokens), block.probs.vocab_size) if tokens else None
+        return Proposal(tokens, probs)
+
     def append(self, tokens: Sequence[int]) -> None:
         self._appended.extend(tokens)
 
@@ -245,6 +282,18 @@ class RemoteDraftSession:
         if not self.stream.closed:
             self.stream.close()
             self.pool.release(self.replica)
+
+
+class _PendingBlock:
+    """A draft step in flight; `result()` waits for its block."""
+
+    __slots__ = ("session", "k", "sent_at")
+
+    def __init__(self, session: RemoteDraftSession, k: int, sent_at: float):
+        self.session, self.k, self.sent_at = session, k, sent_at
+
+    def result(self) -> Proposal:
+        return self.session._finish_ahead(self.k, self.sent_at)
 
 
 class RemoteProposer:

@@ -49,7 +49,8 @@ def result_to_proto(handle: RequestHandle) -> coordinator_pb2.GenerateResult:
             num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
             acceptance_rate=s.acceptance_rate, mean_acceptance_length=s.mean_acceptance_length,
             target_forward_passes=s.target_forward_passes, accepted_per_position=s.accepted_per_position,
-            method=METHOD_TO_PROTO[handle.method], k=handle.k),
+            method=METHOD_TO_PROTO[handle.method], k=handle.k, depth=handle.depth, k_per_step=s.k_per_step,
+            pipeline_hits=s.pipeline_hits, pipeline_misses=s.pipeline_misses),
         timings=coordinator_pb2.Timings(
             time_to_first_token_ms=(gen.time_to_first_token or 0.0) * 1000, duration_ms=(gen.duration or 0.0) * 1000,
             draft_ms=times.draft_ms, verify_ms=times.verify_ms, rpc_overhead_ms=times.rpc_overhead_ms),
@@ -62,13 +63,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.service = service
 
     def _start(self, request: coordinator_pb2.GenerateRequest, context: grpc.ServicerContext) -> RequestHandle:
-        method = k = None
+        method = k = pipeline = None
+        depth = ""
         if request.HasField("speculation"):
-            method = method_from_proto(request.speculation.method)
-            k = request.speculation.k if request.speculation.HasField("k") else None
+            spec = request.speculation
+            method = method_from_proto(spec.method)
+            k = spec.k if spec.HasField("k") else None
+            depth = spec.depth
+            pipeline = spec.pipeline if spec.HasField("pipeline") else None
         carrier = dict(context.invocation_metadata()) if self.service.telemetry.tracing_on else None
         return self.service.start(prompt_from_proto(request), sampling_from_proto(request.params), method, k,
-                                  request.request_id, downstream_timeout(context), trace_carrier=carrier)
+                                  request.request_id, downstream_timeout(context), trace_carrier=carrier,
+                                  depth=depth, pipeline=pipeline)
 
     # Admission comes first: a request that waits in the queue holds nothing on the replicas.
 

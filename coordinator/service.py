@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from coordinator.compat import DraftCompat, speculation_state
 from coordinator.admission import Admission
+from coordinator.depth import DepthPolicy, LoadMonitor
 from coordinator.engine import Generation, SpeculativeEngine
 from coordinator.remote import CallTimes, RemoteProposer, RemoteVerifier, ReplicaPool, StepTelemetry, fetch_draft_model_info
 from specd.errors import InvalidArgument
@@ -193,6 +194,7 @@ class RequestHandle:
     text_stream: TextStream
     closed: bool = field(default=False)
     telemetry: RequestTelemetry | None = None
+    depth: str = ""  # the depth policy the request ran under ("auto", "4", "schedule:...")
 
     def __iter__(self) -> Iterator[tuple[list[int], str]]:
         tel = self.telemetry
@@ -230,17 +232,39 @@ class RequestHandle:
                 self.telemetry.finish(self.generation)
 
 
+def parse_depth(spec: str, k_max: int, field: str = "speculation.depth") -> tuple[str, int | None]:
+    """(spec, fixed k or None): a plain integer is a fixed k (0..MAX_K); anything else must be a
+    controller spec ("auto", "schedule:...", "...,floor=A"). Raises InvalidArgument naming `field`."""
+    spec = spec.strip()
+    try:
+        fixed = int(spec)
+    except ValueError:
+        fixed = None
+    if fixed is not None:
+        if not 0 <= fixed <= MAX_K:
+            raise InvalidArgument(field, f"k must be in 0..{MAX_K}, got {fixed}")
+        return spec, fixed
+    try:
+        DepthPolicy(spec, k_max)
+    except ValueError as exc:
+        raise InvalidArgument(field, str(exc)) from None
+    return spec, None
+
+
 class GenerationService:
     def __init__(self, targets: ReplicaPool, drafts: ReplicaPool | None, tokenizer: Any, model_name: str,
-                 eos_token_ids: frozenset[int], method: str = "ngram", k: int = 8, telemetry: Telemetry | None = None,
-                 vocab_hash: str = ""):
+                 eos_token_ids: frozenset[int], method: str = "ngram", k: int | str = "auto", telemetry: Telemetry | None = None,
+                 vocab_hash: str = "", k_max: int = 8, pipeline: bool = False, monitor: LoadMonitor | None = None):
         self.targets = targets
         self.drafts = drafts
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids
         self.method = method if drafts is not None else "none"
-        self.k = k
+        self.k = str(k)  # the default depth spec: "auto", "4", "schedule:...", ...
+        self.k_max = k_max
+        self.pipeline = pipeline
+        self.depth = DepthPolicy(self.k, k_max, monitor.costs if monitor is not None else None, monitor)  # raises ValueError on a bad spec
         self.active = 0
         self.draining = False
         self.telemetry = telemetry or noop_telemetry()
@@ -278,15 +302,21 @@ class GenerationService:
             raise InvalidArgument("prompt", "the prompt is empty")
         return ids
 
-    def resolve_speculation(self, method: str | None, k: int | None) -> tuple[str, int]:
+    def resolve_speculation(self, method: str | None, k: int | None, depth: str = "") -> tuple[str, int, str | None]:
+        """(method, k, depth spec): k is the fixed depth, or the deepest block a controller may
+        choose; the spec is None for a plain fixed k (no controller needed)."""
         method = method or self.method
-        if k is None:
-            k = self.k
-        if not 0 <= k <= MAX_K:
+        if k is not None and not 0 <= k <= MAX_K:
             raise InvalidArgument("speculation.k", f"must be in 0..{MAX_K}, got {k}")
         if method != "none" and self.drafts is None:
             raise InvalidArgument("speculation.method", "this coordinator has no draft pool; use method none")
-        return ("none", 0) if method == "none" or k == 0 else (method, k)
+        field = "speculation.depth"
+        if not depth:
+            depth, field = (str(k), "speculation.k") if k is not None else (self.k, "k")
+        spec, fixed = parse_depth(depth, self.k_max, field)
+        if method == "none" or fixed == 0:
+            return "none", 0, None
+        return method, (fixed if fixed is not None else self.k_max), (None if fixed is not None else spec)
 
     def draft_model_name(self) -> str | None:
         """The draft replicas' model (for method draft_model's metric attributes), asked once."""
@@ -300,7 +330,8 @@ class GenerationService:
         return self._draft_model or None
 
     def start(self, prompt: PromptInput, params: SamplingParams, method: str | None = None, k: int | None = None,
-              request_id: str = "", timeout: float | None = None, trace_carrier: Any = None) -> RequestHandle:
+              request_id: str = "", timeout: float | None = None, trace_carrier: Any = None, depth: str = "",
+              pipeline: bool | None = None) -> RequestHandle:
         """Validates and starts a request. `trace_carrier` (gRPC metadata or HTTP headers) may
         carry the client's W3C trace context, which the request span then continues."""
         obs: RequestTelemetry | None = None
@@ -311,7 +342,7 @@ class GenerationService:
             params.validate()
             ids = self.encode(prompt)
             self.limits.check(ids, params, request_id, from_ids=prompt.token_ids is not None)
-            method, k = self.resolve_speculation(method, k)
+            method, k, spec = self.resolve_speculation(method, k, depth)
             request_id = request_id or uuid.uuid4().hex
             steps = None
             if obs is not None:
@@ -320,14 +351,18 @@ class GenerationService:
             times = CallTimes()
             verifier = self.open_verifier(request_id, timeout, times, steps)
             proposer = self.open_proposer(method, request_id, timeout, times, steps) if method != "none" else None
-            engine = SpeculativeEngine(verifier, proposer, k=k, eos_token_ids=self.eos_token_ids, decode=self.decode)
+            policy = self.depth.with_spec(spec) if spec is not None else None
+            engine = SpeculativeEngine(verifier, proposer, k=k, eos_token_ids=self.eos_token_ids, decode=self.decode,
+                                       depth=policy, pipeline=self.pipeline if pipeline is None else pipeline)
+            if self.depth.monitor is not None:
+                self.depth.monitor.requests.record()
             generation = engine.generate(ids, params)
         except BaseException as exc:
             if obs is not None:
                 obs.finish(None, exc)
             raise
         return RequestHandle(generation, params, method, k, request_id, times, TextStream(self.decode, params.stop),
-                             telemetry=obs)
+                             telemetry=obs, depth=spec if spec is not None else str(k))
 
     def open_verifier(self, request_id: str, timeout: float | None, times: CallTimes,
                       steps: StepTelemetry | None) -> Any:

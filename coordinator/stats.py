@@ -12,6 +12,15 @@ class SpecStats:
     num_accepted_tokens: int = 0
     target_forward_passes: int = 0  # prefill included
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
+    k_per_step: list[int] = field(default_factory=list)  # draft tokens sent at each verify step
+    pipeline_hits: int = 0  # pipelined steps whose pre-drafted next block was used
+    pipeline_misses: int = 0  # ... and dropped
+
+    def record_pipeline(self, hit: bool) -> None:
+        if hit:
+            self.pipeline_hits += 1
+        else:
+            self.pipeline_misses += 1
 
     def record_step(self, num_draft: int, num_accepted: int) -> None:
         self.target_forward_passes += 1

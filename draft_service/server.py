@@ -141,7 +141,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             session.append(list(step.appended_token_ids))
         block = draft_pb2.DraftBlock(session_id=session_id)
         if step.k:
-            proposal = session.propose(step.k)
+            assumed = list(step.assumed_token_ids)
+            proposal = session.propose_ahead(assumed, step.k) if assumed else session.propose(step.k)
             block.token_ids.extend(proposal.tokens)
             probs = probs_to_proto(proposal.probs)
             if probs is not None:

@@ -18,7 +18,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default=None, choices=["none", "ngram", "suffix", "draft_model"],
                    help="drafting method (default: ngram embedded; the coordinator's with --address)")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft_model: hub id, folder, .gguf, or 'target'")
-    p.add_argument("--k", type=int, default=None, help="draft tokens per verify step (default: 8 embedded; the coordinator's with --address)")
+    p.add_argument("--k", default=None, metavar="auto|K|schedule:B=K,...",
+                   help="draft depth: auto (the adaptive controller), a fixed k, or a schedule by batch size "
+                        "(default: auto; the coordinator's with --address)")
+    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                   help="pipelined drafting: draft the next block while the target verifies (default: off; "
+                        "the coordinator's with --address)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights dtype (default: float32)")
 
@@ -58,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target-port", type=int, default=50052)
     up.add_argument("--draft-port", type=int, default=50051)
     up.add_argument("--method", default="ngram", choices=["none", "ngram", "suffix"])
-    up.add_argument("--k", type=int, default=8)
+    up.add_argument("--k", default="auto", help="draft depth: auto, a fixed k, or schedule:B=K,... (default auto)")
     up.add_argument("--target-model", default=None)
     up.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0: off; default 8000)")
     up.add_argument("--metrics-base-port", type=int, default=9460,
@@ -146,7 +151,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_generate_remote(args: argparse.Namespace) -> int:
     from coordinator.client import CoordinatorClient, build_request, result_to_dict
 
-    request = build_request(args.prompt, _params(args), chat=args.chat, method=args.method, k=args.k)
+    request = build_request(args.prompt, _params(args), chat=args.chat, method=args.method, k=args.k,
+                            pipeline=args.pipeline)
     with CoordinatorClient(args.address, **_client_security(args)) as client:
         if args.json:
             print(json.dumps(result_to_dict(client.generate(request))))
@@ -174,7 +180,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return cmd_generate_remote(args)
     params = _params(args)
     opts = EngineOptions(args.target_model, args.method or "ngram", args.draft_model,
-                         8 if args.k is None else args.k, args.device, args.dtype)
+                         "auto" if args.k is None else args.k, args.device, args.dtype, pipeline=bool(args.pipeline))
     engine, target = build_engine(opts)
     gen = engine.generate(target.encode(args.prompt, chat=args.chat), params)
     if args.json:

@@ -34,10 +34,10 @@ C = TypeVar("C", bound="ServiceConfig")
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, minimum: float | None = None,
-         metavar: str | None = None, secret: bool = False) -> Any:
+         metavar: str | None = None, secret: bool = False, check: Callable[[Any], None] | None = None) -> Any:
     """A dataclass field whose metadata drives the flag's help text and validation. A `secret`
     field's value is never printed (`format_config` shows it as set or unset)."""
-    metadata = {"help": help, "choices": choices, "min": minimum, "metavar": metavar, "secret": secret}
+    metadata = {"help": help, "choices": choices, "min": minimum, "metavar": metavar, "secret": secret, "check": check}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -70,6 +70,19 @@ class ServiceConfig:
                 raise ValueError(f"{f.name}: {value!r} is not one of {', '.join(choices)}")
             if low is not None and value is not None and value < low:
                 raise ValueError(f"{f.name}: {value!r} is below the minimum {low}")
+            check = f.metadata.get("check")
+            if check is not None and value is not None:
+                try:
+                    check(value)
+                except ValueError as exc:
+                    raise ValueError(f"{f.name}: {exc}") from None
+
+
+def _check_depth(spec: str) -> None:
+    """A depth spec the controller understands: "auto", an integer k, "schedule:B=K,...", ",floor=A"."""
+    from coordinator.controller import make_controller  # pure policy module, no heavy imports
+
+    make_controller(spec, 32)
 
 
 @dataclass(frozen=True)
@@ -120,7 +133,11 @@ class CoordinatorConfig(ServiceConfig):
     dns_refresh_s: float = _opt(10.0, "seconds between re-resolutions of dns:/// replica names", minimum=0.1)
     health_check_interval_s: float = _opt(1.0, "seconds between health checks of each replica (0: off)", minimum=0)
     method: str = _opt("ngram", "default drafting method", choices=DRAFT_METHODS)
-    k: int = _opt(8, "default number of draft tokens per step", minimum=0)
+    k: str = _opt("auto", "default draft depth: auto (the adaptive controller), a fixed k (0: no speculation), or "
+                          "schedule:B=K,... (k by batch size); each may end with ,floor=A (acceptance below A turns "
+                          "speculation off)", metavar="auto|K|schedule:B=K,...", check=_check_depth)
+    k_max: int = _opt(8, "deepest draft block the controller may choose", minimum=1)
+    pipeline: bool = _opt(False, "pipelined drafting: draft block n+1 while block n is verified")
     http_port: int | None = _opt(None, "HTTP (OpenAI-style) port (unset: no HTTP endpoint)", minimum=0)
     tokenizer_model: str | None = _opt(None, "tokenizer source (unset: bundled default)")
     max_message_mb: int = _opt(4, "largest client message in MiB, either way; larger ones get RESOURCE_EXHAUSTED "
@@ -217,6 +234,8 @@ def convert(tp: Any, raw: Any, where: str) -> Any:
     if tp is str:
         if isinstance(raw, str):
             return raw
+        if isinstance(raw, int) and not isinstance(raw, bool):  # `k = 4` in a file
+            return str(raw)
         raise bad()
     raise TypeError(f"{where}: config fields of type {tp!r} are not supported")
 

@@ -95,9 +95,9 @@ class Stack:
             s.stop()
 
 
-def start_stack(log_dir: Path, draft_model: str | None = None, method: str = "ngram", k: int = 4,
+def start_stack(log_dir: Path, draft_model: str | None = None, method: str = "ngram", k: int | str = 4,
                 target_args: list[str] | None = None, http_port: int | None = None,
-                metrics_ports: Mapping[str, int] | None = None) -> Stack:
+                metrics_ports: Mapping[str, int] | None = None, coordinator_args: list[str] | None = None) -> Stack:
     """`metrics_ports`: service name ("target", "draft", "coordinator") -> Prometheus port
     (0: a free one); services left out serve no metrics."""
     mp = metrics_ports or {}
@@ -106,6 +106,7 @@ def start_stack(log_dir: Path, draft_model: str | None = None, method: str = "ng
                           metrics_port=mp.get("draft"))
     coordinator = start_service("coordinator", ["--target", target.address, "--draft", draft.address,
                                                 "--method", method, "--k", str(k)]
-                                + (["--http-port", str(http_port)] if http_port is not None else []), log_dir,
+                                + (["--http-port", str(http_port)] if http_port is not None else [])
+                                + list(coordinator_args or []), log_dir,
                                 metrics_port=mp.get("coordinator"))
     return Stack(target, draft, coordinator, http_port)

@@ -89,17 +89,22 @@ def start_coordinator(cfg: CoordinatorConfig, telemetry: Telemetry | None = None
     from coordinator.remote import fetch_model_info
     from coordinator.replicas import PoolOptions, ReplicaPool
     from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
+    from coordinator.depth import CostModels, LoadMonitor
     from coordinator.service import GenerationService
     from specd.models import load_tokenizer
+    from specdec.v1.target_pb2_grpc import TargetServiceStub
 
     pool_options = PoolOptions(health_interval_s=cfg.health_check_interval_s, refresh_s=cfg.dns_refresh_s)
     targets = ReplicaPool(cfg.target, pool_options, name="target")
     drafts = ReplicaPool(cfg.draft, pool_options, name="draft") if cfg.draft and cfg.method != "none" else None
     info = fetch_model_info(targets)
     telemetry = _telemetry("coordinator", cfg, info.name, telemetry)
+    costs = CostModels()
+    monitor = LoadMonitor(lambda: [(r.address, TargetServiceStub(r.channel)) for r in targets.replicas], costs).start()
     service = GenerationService(targets, drafts, load_tokenizer(cfg.tokenizer_model), info.name,
                                 frozenset(info.eos_token_ids), cfg.method, cfg.k, telemetry=telemetry,
-                                vocab_hash=info.vocab_hash)
+                                vocab_hash=info.vocab_hash, k_max=cfg.k_max, pipeline=cfg.pipeline,
+                                monitor=monitor)
     if drafts is not None:  # logs (and counts) draft replicas whose draft model has another vocabulary
         from coordinator.compat import check_draft_pool
 
@@ -155,7 +160,7 @@ def serve(service: str, cfg: ServiceConfig) -> int:
 METRICS_OFFSETS = {"coordinator": 0, "draft": 1, "target": 2}
 
 
-def up(port: int = 50050, target_port: int = 50052, draft_port: int = 50051, method: str = "ngram", k: int = 8,
+def up(port: int = 50050, target_port: int = 50052, draft_port: int = 50051, method: str = "ngram", k: int | str = "auto",
        target_model: str | None = None, http_port: int | None = 8000, timeout: float = 300.0,
        metrics_base_port: int | None = 9460) -> int:
     """Start target, draft and coordinator as separate processes on loopback; stop them on Ctrl-C/SIGTERM.

@@ -45,6 +45,12 @@ class DraftSession(Protocol):
         followed by the target's recovered or bonus token (or the first token after prefill)."""
         ...
 
+    def propose_ahead(self, assumed: Sequence[int], k: int) -> Proposal:
+        """Pipelined drafting: draft up to k tokens continuing the sequence followed by `assumed`
+        (the block the target is verifying now, assumed accepted whole), without committing
+        `assumed`. The next `append` says what really followed; the session keeps what agrees."""
+        ...
+
     def close(self) -> None:
         """Free the session's state (caches); proposers with global state may learn from it."""
         ...

@@ -33,13 +33,26 @@ class DraftModelSession:
         self.cache = new_cache(draft.model)
         self.uncached: list[int] = list(prompt_ids)  # sequence tokens the cache has not seen
         self.speculated: list[int] = []  # draft tokens written to the cache beyond the sequence
+        self.last_token = int(prompt_ids[-1]) if len(prompt_ids) else 0  # the sequence's last token
         self.generator = make_generator(params.seed, draft.device, _DRAFT_SEED_OFFSET)
 
+    def _sequence_length(self) -> int:
+        return cache_length(self.cache) - len(self.speculated) + len(self.uncached)
+
+    def _drop_speculated(self) -> None:
+        if self.speculated:
+            crop_cache(self.cache, cache_length(self.cache) - len(self.speculated))
+            self.speculated = []
+
     def propose(self, k: int) -> Proposal:
-        room = self.draft.max_context - cache_length(self.cache) - len(self.uncached)
+        room = self.draft.max_context - self._sequence_length()
         k = min(k, room)
         if k <= 0:
             return Proposal()
+        self._drop_speculated()
+        if not self.uncached:  # the whole sequence is cached (kept speculation): re-feed its last token for logits
+            crop_cache(self.cache, cache_length(self.cache) - 1)
+            self.uncached = [self.last_token]
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         feed = self.uncached
@@ -62,11 +75,32 @@ class DraftModelSession:
         q = logits_to_probs(logits[-1:], p.temperature, p.top_k, p.top_p)
         return int(sample(q, self.generator)[0]), q
 
+    def propose_ahead(self, assumed: Sequence[int], k: int) -> Proposal:
+        """Commit `assumed` for the moment, draft, then mark `assumed` as speculated again: the
+        cache keeps its rows, and the next `append` keeps exactly the part the target agreed with."""
+        assumed = list(assumed)
+        if min(k, self.draft.max_context - self._sequence_length() - len(assumed)) <= 0:
+            return Proposal()
+        self.append(assumed)
+        proposal = self.propose(k)
+        self.speculated = assumed + self.speculated
+        return proposal
+
     def append(self, tokens: Sequence[int]) -> None:
         tokens = list(tokens)
+        if not tokens:
+            return
+        self.last_token = tokens[-1]
+        if self.uncached:  # nothing speculated is in the cache's tail: the tokens just queue up
+            self._drop_speculated()
+            self.uncached.extend(tokens)
+            return
         agree = 0
         while agree < len(self.speculated) and agree < len(tokens) and self.speculated[agree] == tokens[agree]:
             agree += 1
+        if agree == len(tokens):  # all of it already cached: the rest of the speculation stays
+            self.speculated = self.speculated[agree:]
+            return
         crop_cache(self.cache, cache_length(self.cache) - len(self.speculated) + agree)
         self.speculated = []
         self.uncached.extend(tokens[agree:])

@@ -92,6 +92,10 @@ class NgramSession:
         draft = find_ngram_continuation(self._buf[: self._len], k, self._min_n, self._max_n)
         return Proposal(tokens=draft, probs=None)
 
+    def propose_ahead(self, assumed: Sequence[int], k: int) -> Proposal:
+        context = np.concatenate([self._buf[: self._len], np.asarray(assumed, dtype=np.int64).reshape(-1)])
+        return Proposal(tokens=find_ngram_continuation(context, k, self._min_n, self._max_n), probs=None)
+
     def append(self, tokens: Sequence[int]) -> None:
         new = np.asarray(tokens, dtype=np.int64).reshape(-1)
         needed = self._len + new.shape[0]

@@ -231,9 +231,15 @@ class SuffixSession:
         return self._tokens[self._prompt_len :]
 
     def propose(self, k: int) -> Proposal:
+        return self._propose(self._tokens[-self._proposer.max_match :], k)
+
+    def propose_ahead(self, assumed: Sequence[int], k: int) -> Proposal:
+        """Matches on the sequence plus `assumed`; the trie itself only ever holds committed tokens."""
+        return self._propose((self._tokens + [int(t) for t in assumed])[-self._proposer.max_match :], k)
+
+    def _propose(self, context: list[int], k: int) -> Proposal:
         p = self._proposer
         # Only the last max_match tokens can take part in a match.
-        context = self._tokens[-p.max_match :]
         local, local_score = self._trie.match_and_extend(
             context, k, p.max_match, p.min_token_prob
         )

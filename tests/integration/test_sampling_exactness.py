@@ -37,24 +37,21 @@ def tiny_draft(tmp_path_factory):
     return load_model(str(save_tiny_random_model(tmp_path_factory.mktemp("d"), vocab_size=VOCAB, seed=0, logit_scale=0.6)))
 
 
-def exact_joint(model, params: SamplingParams) -> dict[tuple[int, int, int], float]:
-    """P(t1, t2, t3) under target-only sampling, by enumerating every prefix."""
+def exact_joint(model, params: SamplingParams, length: int = 3) -> dict[tuple[int, ...], float]:
+    """P(t1, ..., t_length) under target-only sampling, by enumerating every prefix."""
     m = model.model
 
-    def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
-        x = torch.tensor([PROMPT + pre for pre in prefixes])
+    def next_probs(prefixes: list[tuple[int, ...]]) -> torch.Tensor:
+        x = torch.tensor([PROMPT + list(pre) for pre in prefixes])
         with torch.inference_mode():
             logits = m(input_ids=x).logits[:, -1].float()
         return logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
 
-    p1 = next_probs([[]])[0]
-    pairs = [[a, b] for a in range(VOCAB) for b in range(VOCAB)]
-    p2 = next_probs([[a] for a in range(VOCAB)])
-    p3 = next_probs(pairs)
-    joint = {}
-    for i, (a, b) in enumerate(pairs):
-        for c in range(VOCAB):
-            joint[(a, b, c)] = float(p1[a] * p2[a, b] * p3[i, c])
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(joint)
+        probs = next_probs(prefixes)
+        joint = {pre + (t,): joint[pre] * float(probs[i, t]) for i, pre in enumerate(prefixes) for t in range(VOCAB)}
     return joint
 
 
@@ -105,6 +102,29 @@ def test_first_three_tokens_match_target_distribution(method, k, temperature, to
     assert all(expected[c] > 0 for c in counts), "a token outside top-k/top-p was sampled"
     pvalue = chi_square_pvalue(counts, expected, SAMPLES)
     assert pvalue > 1e-3, f"speculative samples do not follow the target's distribution (p={pvalue:.2e})"
+
+
+PIPELINED_CASES = [("draft_model", 1, 1.0, 0, 1.0), ("draft_model", 2, 1.5, 3, 0.9), ("ngram", 1, 1.0, 0, 1.0)]
+
+
+@pytest.mark.parametrize("method,k,temperature,top_k,top_p", PIPELINED_CASES)
+def test_pipelined_drafting_keeps_the_target_distribution(method, k, temperature, top_k, top_p, tiny_target, tiny_draft):
+    """Four tokens: with k <= 2 the fourth is the first that a block drafted during the previous
+    verify (and kept because its first token matched the target's bonus token) can propose."""
+    base = SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, ignore_eos=True)
+    expected = exact_joint(tiny_target, base, length=4)
+    engine = SpeculativeEngine(TargetModel(tiny_target), make_proposer(method, tiny_draft), k=k, pipeline=True)
+    counts: Counter = Counter()
+    hits = 0
+    for seed in range(SAMPLES):
+        params = SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, ignore_eos=True)
+        gen = engine.generate(PROMPT, params).run()
+        counts[tuple(gen.token_ids)] += 1
+        hits += gen.stats.pipeline_hits
+    assert hits > SAMPLES // 20, f"pre-drafted blocks were used only {hits} times: the test exercised little"
+    assert all(expected[c] > 0 for c in counts), "a token outside top-k/top-p was sampled"
+    pvalue = chi_square_pvalue(counts, expected, SAMPLES)
+    assert pvalue > 1e-3, f"pipelined samples do not follow the target's distribution (p={pvalue:.2e})"
 
 
 def test_chi_square_detects_a_wrong_distribution(tiny_target):

@@ -40,7 +40,7 @@ def test_defaults_per_service():
     assert target.grace_seconds == 10.0 and target.log_level == "INFO"
     assert target.model is None and target.device == "cpu" and target.max_batch_size == 16
     assert draft.method == "ngram" and draft.target_model is None
-    assert coord.target == ("127.0.0.1:50052",) and coord.draft == ("127.0.0.1:50051",) and coord.k == 8
+    assert coord.target == ("127.0.0.1:50052",) and coord.draft == ("127.0.0.1:50051",) and coord.k == "auto"
     assert set(config_sources(target).values()) == {"default"}
 
 
@@ -76,7 +76,7 @@ def test_json_file(tmp_path):
     path = write(tmp_path, "c.json", json.dumps({"target": ["a:1", "b:2"], "k": 4, "http_port": 8080,
                                                 "step_timeout_s": 5, "tokenizer_model": None}))
     cfg = load_config(CoordinatorConfig, None, env={}, file=path)
-    assert cfg.target == ("a:1", "b:2") and cfg.k == 4 and cfg.http_port == 8080
+    assert cfg.target == ("a:1", "b:2") and cfg.k == "4" and cfg.http_port == 8080
     assert cfg.step_timeout_s == 5.0 and isinstance(cfg.step_timeout_s, float) and cfg.tokenizer_model is None
 
 
@@ -120,13 +120,14 @@ def test_section_overrides_flat_keys(tmp_path):
     (int | None, "", None), (int | None, "none", None), (int | None, "9", 9), (int | None, None, None),
     (str | None, "m", "m"),
     (tuple[str, ...], "a:1, b:2,", ("a:1", "b:2")), (tuple[str, ...], ["a"], ("a",)),
+    (str, 4, "4"),  # `k = 4` in a TOML file, for the depth spec
 ])
 def test_convert(tp, raw, expected):
     assert convert(tp, raw, "test") == expected
 
 
 @pytest.mark.parametrize("tp, raw", [(int, "x"), (int, True), (int, 1.5), (bool, "maybe"), (float, "fast"),
-                                     (str, 5), (tuple[str, ...], 5)])
+                                     (str, 1.5), (str, True), (tuple[str, ...], 5)])
 def test_convert_rejects(tp, raw):
     with pytest.raises(ValueError, match="test: expected"):
         convert(tp, raw, "test")
@@ -169,10 +170,13 @@ def test_validation():
 def test_flag_types_and_errors(capsys):
     args = parse(CoordinatorConfig, ["--target", "a:1,b:2", "--k", "3", "--step-timeout-s", "1.5", "--method", "none"])
     cfg = load_config(CoordinatorConfig, args, env={})
-    assert cfg.target == ("a:1", "b:2") and cfg.k == 3 and cfg.step_timeout_s == 1.5 and cfg.method == "none"
+    assert cfg.target == ("a:1", "b:2") and cfg.k == "3" and cfg.step_timeout_s == 1.5 and cfg.method == "none"
+    with pytest.raises(ValueError, match="k: depth spec 'many'"):
+        load_config(CoordinatorConfig, parse(CoordinatorConfig, ["--k", "many"]), env={})
     with pytest.raises(SystemExit):
-        parse(CoordinatorConfig, ["--k", "many"])
-    assert "--k" in capsys.readouterr().err
+        parse(CoordinatorConfig, ["--k-max", "many"])
+    assert "--k-max" in capsys.readouterr().err
+    assert load_config(CoordinatorConfig, parse(CoordinatorConfig, ["--k", "schedule:1=8,8=0,floor=0.2"]), env={}).k
 
 
 def test_config_is_frozen_and_replace_keeps_settings():

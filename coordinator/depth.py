@@ -1,0 +1,150 @@
+"""Glue between the depth controller (pure policy, coordinator/controller.py) and the transports.
+
+`DepthPolicy` gives each request its own `DepthController`, sharing one `CostModel` per target
+replica (every session on a replica sees the same verify costs), and hands the engine the
+replica's current load. `LoadMonitor` polls the target replicas' `GetStats` in the background:
+queue depth and open sessions become `LoadSignal`s, and the first answer seeds the replica's cost
+model with the verify latencies the replica has already measured, so a restarted coordinator
+does not start from the prior. It also counts requests per second, for the load generator's
+report and the k-over-time plot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Iterable
+
+from coordinator.controller import CostModel, DepthController, LoadSignal, make_controller
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+
+
+def replica_key(session: Any) -> str:
+    """The replica a target session lives on ("embedded" for in-process sessions)."""
+    replica = getattr(session, "replica", None)
+    return getattr(replica, "address", EMBEDDED)
+
+
+class CostModels:
+    """One CostModel per target replica, created on first use."""
+
+    def __init__(self, factory: Callable[[], CostModel] = CostModel):
+        self._factory = factory
+        self._models: dict[str, CostModel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> CostModel:
+        with self._lock:
+            model = self._models.get(key)
+            if model is None:
+                model = self._models[key] = self._factory()
+            return model
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._models
+
+
+class DepthPolicy:
+    """What the engine needs for per-request depth control: `controller(target)` and `load(target)`.
+
+    spec: "auto", an integer k, or "schedule:B=K,...", each optionally with ",floor=A" (see
+    `make_controller`); validated here so that a bad spec fails at request start, naming itself.
+    """
+
+    def __init__(self, spec: str = "auto", k_max: int = 8, costs: CostModels | None = None,
+                 monitor: "LoadMonitor | None" = None):
+        make_controller(spec, k_max)  # raises ValueError on a bad spec
+        self.spec = spec
+        self.k_max = k_max
+        self.costs = costs or CostModels()
+        self.monitor = monitor
+
+    def controller(self, target: Any) -> DepthController:
+        return make_controller(self.spec, self.k_max, self.costs.get(replica_key(target)))
+
+    def load(self, target: Any) -> LoadSignal | None:
+        if self.monitor is None:
+            return None
+        return self.monitor.load(replica_key(target))
+
+    def with_spec(self, spec: str, k_max: int | None = None) -> "DepthPolicy":
+        """The same cost models and monitor under another spec (a per-request override)."""
+        return DepthPolicy(spec, self.k_max if k_max is None else k_max, self.costs, self.monitor)
+
+
+class RequestRate:
+    """Requests per second over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+        self._lock = threading.Lock()
+
+    def record(self, now: float | None = None) -> None:
+        with self._lock:
+            self._times.append(time.monotonic() if now is None else now)
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            while self._times and self._times[0] < now - self.window_s:
+                self._times.popleft()
+            return len(self._times) / self.window_s
+
+
+class LoadMonitor:
+    """Polls each target replica's GetStats every `interval_s` seconds in a daemon thread.
+
+    `replicas()` returns (address, stub) pairs to poll (the pool's current replicas), so replicas
+    that come and go are followed. A replica that does not answer keeps its last signal.
+    """
+
+    def __init__(self, replicas: Callable[[], Iterable[tuple[str, Any]]], costs: CostModels,
+                 interval_s: float = 0.25, timeout_s: float = 1.0):
+        self._replicas = replicas
+        self.costs = costs
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._signals: dict[str, LoadSignal] = {}
+        self._seeded: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.requests = RequestRate()
+        self._thread = threading.Thread(target=self._run, name="specd-load-monitor", daemon=True)
+
+    def start(self) -> "LoadMonitor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def load(self, key: str) -> LoadSignal | None:
+        with self._lock:
+            return self._signals.get(key)
+
+    def poll_once(self) -> None:
+        from specdec.v1 import common_pb2  # generated code: imported late so the module imports without it
+
+        for address, stub in list(self._replicas()):
+            try:
+                stats = stub.GetStats(common_pb2.GetStatsRequest(), timeout=self.timeout_s)
+            except Exception:  # a replica that does not answer keeps its last signal
+                log.debug("GetStats failed for %s", address, exc_info=True)
+                continue
+            with self._lock:
+                self._signals[address] = LoadSignal(int(stats.queue_depth), int(stats.open_sessions))
+                first = address not in self._seeded
+                self._seeded.add(address)
+            if first and stats.verify_latency:
+                self.costs.get(address).seed_from_stats(stats.verify_latency)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll_once()
