@@ -33,6 +33,7 @@ __all__ = [
     "CostModel",
     "DepthController",
     "LoadSignal",
+    "SharedAcceptance",
     "best_depth",
     "depth_rates",
     "expected_tokens",
@@ -254,6 +255,16 @@ class _Mean:
         return min(self.count, window)
 
 
+OUTLIER_FACTOR = 3.0
+
+
+def _clip(x: float, cell: _Mean) -> float:
+    """A sample more than OUTLIER_FACTOR times a settled cell's mean counts as that much: one pass
+    stalled by a neighbour process must not swing a shared cost model (every session's k) for a
+    whole window. Real drift still gets through, at up to 3x per sample."""
+    return min(x, OUTLIER_FACTOR * cell.mean) if cell.count >= 3 and cell.mean > 0 else x
+
+
 def _fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
     """Weighted least squares y = c + m (x - 1) over (x, y, weight); None with < 2 distinct x."""
     if len({x for x, _, _ in points}) < 2:
@@ -315,14 +326,21 @@ class CostModel:
         if batch_size < 1 or block_length < 1 or not ms >= 0:
             return  # a malformed report should not poison the model
         with self._lock:
-            self._verify.setdefault(batch_size, {}).setdefault(block_length, _Mean()).add(ms, self.window)
+            cell = self._verify.setdefault(batch_size, {}).setdefault(block_length, _Mean())
+            cell.add(_clip(ms, cell), self.window)
             self._lines.clear()
 
     def observe_draft(self, k: int, ms: float) -> None:
         """Proposing k tokens took `ms` (k = 0 steps never call the draft and are ignored)."""
         if k >= 1 and ms >= 0:
             with self._lock:
-                self._draft.setdefault(k, _Mean()).add(ms, self.window)
+                cell = self._draft.setdefault(k, _Mean())
+                cell.add(_clip(ms, cell), self.window)
+
+    def verify_table(self) -> list[tuple[int, int, int, float]]:
+        """The observed verify cells as (batch_size, block_length, count, mean_ms) rows."""
+        with self._lock:
+            return [(b, n, int(c.count), c.mean) for b, cells in self._verify.items() for n, c in cells.items()]
 
     def seed_from_stats(self, rows: Iterable[Any]) -> None:
         """Seed from a target's GetStats verify_latency table.
@@ -417,6 +435,27 @@ class CostModel:
 MODES = ("auto", "fixed", "schedule")
 
 
+class SharedAcceptance:
+    """Acceptance across the sessions of one (replica, method): a new session starts from it
+    instead of a fixed prior, so a short request does not spend its first steps finding out what
+    the last hundred requests already showed (a useless draft is off from the first step; a
+    good one starts deep). Thread-safe; sessions still adapt to their own prompt from there."""
+
+    def __init__(self, alpha0: float = 0.5, window: float = 256.0, lo: float = 0.02, hi: float = 0.98):
+        self._estimator = AcceptanceEstimator(alpha0=alpha0, window=window)
+        self._lock = threading.Lock()
+        self.lo, self.hi = lo, hi
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        with self._lock:
+            self._estimator.update(num_drafted, num_accepted)
+
+    @property
+    def alpha(self) -> float:
+        with self._lock:
+            return min(max(self._estimator.alpha, self.lo), self.hi)
+
+
 class DepthController:
     """Chooses k for one session, step by step.
 
@@ -460,6 +499,7 @@ class DepthController:
         probe_k: int = 2,
         probe_alpha: float = 0.9,
         estimator: AcceptanceEstimator | None = None,
+        shared: "SharedAcceptance | None" = None,
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -490,7 +530,10 @@ class DepthController:
         self.probe_max_interval = probe_max_interval
         self.probe_k = min(max(probe_k, 1), k_max) if k_max > 0 else 0
         self.probe_alpha = probe_alpha
-        self.estimator = estimator if estimator is not None else AcceptanceEstimator()
+        if estimator is None:
+            estimator = AcceptanceEstimator(alpha0=shared.alpha) if shared is not None else AcceptanceEstimator()
+        self.estimator = estimator
+        self.shared = shared
         self.k: int | None = None  # the committed depth (a probe step does not change it)
         self.history: list[int] = []
         self.batch_size = 1  # of the last verify pass, used when choose() gets no load
@@ -576,6 +619,8 @@ class DepthController:
     def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int) -> None:
         """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size."""
         self.estimator.update(k, num_accepted)
+        if self.shared is not None and k > 0:
+            self.shared.update(k, num_accepted)
         if k > 0:
             self.cost_model.observe_draft(k, draft_ms)
         self.cost_model.observe_verify(batch_size, k + 1, verify_ms)
@@ -583,7 +628,8 @@ class DepthController:
 
 
 
-def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None) -> DepthController:
+def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None,
+                    shared: SharedAcceptance | None = None) -> DepthController:
     """A controller from its CLI form.
 
         auto                          the policy
@@ -615,7 +661,7 @@ def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None) 
     if head.lower() == "auto":
         if rest:
             raise ValueError(f"depth spec {spec!r}: unexpected {','.join(rest)!r} after 'auto'")
-        return DepthController(k_max, cost_model, mode="auto", floor=floor)
+        return DepthController(k_max, cost_model, mode="auto", floor=floor, shared=shared)
     if head.lower().startswith("schedule:"):
         entries = [head.split(":", 1)[1]] + rest
         table: dict[int, int] = {}
@@ -632,7 +678,7 @@ def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None) 
             if not 0 <= k <= k_max:
                 raise ValueError(f"depth spec {spec!r}: schedule k {k} for batch size {b} is not in 0..{k_max}")
             table[b] = k
-        return DepthController(k_max, cost_model, mode="schedule", schedule=table, floor=floor)
+        return DepthController(k_max, cost_model, mode="schedule", schedule=table, floor=floor, shared=shared)
     try:
         k = int(head)
     except ValueError:
@@ -643,4 +689,4 @@ def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None) 
         raise ValueError(f"depth spec {spec!r}: unexpected {','.join(rest)!r} after k = {k}")
     if not 0 <= k <= k_max:
         raise ValueError(f"depth spec {spec!r}: k {k} is not in 0..{k_max} (k_max)")
-    return DepthController(k_max, cost_model, mode="fixed", fixed_k=k, floor=floor)
+    return DepthController(k_max, cost_model, mode="fixed", fixed_k=k, floor=floor, shared=shared)

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable
 
-from coordinator.controller import CostModel, DepthController, LoadSignal, make_controller
+from coordinator.controller import CostModel, DepthController, LoadSignal, SharedAcceptance, make_controller
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +31,29 @@ def replica_key(session: Any) -> str:
 
 
 class CostModels:
-    """One CostModel per target replica, created on first use."""
+    """One CostModel and one SharedAcceptance per (target replica, drafting method), created on
+    first use: verify costs belong to the replica, draft costs and acceptance to the method."""
 
     def __init__(self, factory: Callable[[], CostModel] = CostModel):
         self._factory = factory
         self._models: dict[str, CostModel] = {}
+        self._acceptance: dict[str, SharedAcceptance] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> CostModel:
+    def get(self, key: str, method: str = "") -> CostModel:
+        name = f"{key}|{method}" if method else key
         with self._lock:
-            model = self._models.get(key)
+            model = self._models.get(name)
             if model is None:
-                model = self._models[key] = self._factory()
+                model = self._models[name] = self._factory()
+                base = self._models.get(key) if method else None
+                if base is not None:  # verify costs already learnt or seeded for the replica
+                    model.seed_from_stats(base.verify_table())
             return model
+
+    def acceptance(self, key: str, method: str) -> SharedAcceptance:
+        with self._lock:
+            return self._acceptance.setdefault(f"{key}|{method}", SharedAcceptance())
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -65,8 +75,9 @@ class DepthPolicy:
         self.costs = costs or CostModels()
         self.monitor = monitor
 
-    def controller(self, target: Any) -> DepthController:
-        return make_controller(self.spec, self.k_max, self.costs.get(replica_key(target)))
+    def controller(self, target: Any, method: str = "") -> DepthController:
+        key = replica_key(target)
+        return make_controller(self.spec, self.k_max, self.costs.get(key, method), self.costs.acceptance(key, method))
 
     def load(self, target: Any) -> LoadSignal | None:
         if self.monitor is None:

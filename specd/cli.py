@@ -98,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     from coordinator.bench_telemetry import add_bench_telemetry_flags
 
     add_bench_telemetry_flags(bench_tel)
+
+    loadgen = sub.add_parser("loadgen", help="closed-loop or open-loop (Poisson) load against a coordinator")
+    from coordinator.loadgen import add_loadgen_flags
+
+    add_loadgen_flags(loadgen)
+    bench_load = sub.add_parser("bench-load", help="speculation off vs fixed k vs auto by kind and concurrency, with plots")
+    from coordinator.bench_load import add_bench_load_flags
+
+    add_bench_load_flags(bench_load)
     return parser
 
 
@@ -236,6 +245,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from coordinator.diff import diff_main
 
             return diff_main(args, client_options=_client_security(args) if args.address else None)
+        if args.command == "loadgen":
+            from coordinator.loadgen import run_loadgen
+
+            return run_loadgen(args)
+        if args.command == "bench-load":
+            from coordinator.bench_load import run_bench_load
+
+            return run_bench_load(args)
         if args.command == "bench-telemetry":
             from coordinator.bench_telemetry import run_bench_telemetry
 

@@ -34,12 +34,14 @@ def test_health_serving_and_reflection_on_all_three(stack):
             assert service in services and "grpc.health.v1.Health" in services
 
 
+@pytest.mark.parametrize("depth,pipeline", [(4, False), ("auto", True)])
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
-def test_greedy_output_equals_target_only(method, client, references, workload_prompts, stack):
+def test_greedy_output_equals_target_only(method, depth, pipeline, client, references, workload_prompts, stack):
     drafted = 0
     for p in workload_prompts:
         ids, expected = references[p.id]
-        req = build_request(ids, SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS)), method=method, k=4)
+        req = build_request(ids, SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS)), method=method, k=depth,
+                            pipeline=pipeline)
         chunks, result = [], None
         for msg in client.stream(req, timeout=300):
             if msg.HasField("chunk"):
@@ -53,13 +55,15 @@ def test_greedy_output_equals_target_only(method, client, references, workload_p
     assert drafted > 0
 
 
-def test_eight_concurrent_streams_are_exact_and_batched(client, references, workload_prompts, stack):
+@pytest.mark.parametrize("depth,pipeline", [(None, None), ("auto", True)])  # the coordinator's defaults; auto + pipelined
+def test_eight_concurrent_streams_are_exact_and_batched(depth, pipeline, client, references, workload_prompts, stack):
     before = {b.batch_size: b.count for b in target_stats(stack).batch_sizes}
     prompts = workload_prompts[:8]
 
     def run(p):
         ids, expected = references[p.id]
-        res = client.generate(build_request(ids, SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS))), timeout=300)
+        params = SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS))
+        res = client.generate(build_request(ids, params, k=depth, pipeline=pipeline), timeout=300)
         return p.id, list(res.token_ids), expected
 
     with ThreadPoolExecutor(8) as pool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator.depth import DepthPolicy
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import make_proposer
 from specd.sampling import SamplingParams
@@ -34,6 +35,25 @@ def test_speculative_greedy_equals_target_only(method_label, k, target, referenc
         assert gen.stats.target_forward_passes <= len(expected)
         drafted += gen.stats.num_draft_tokens
     assert drafted > 0, "the proposer never drafted: the test exercised nothing"
+
+
+@pytest.mark.parametrize("method_label", ["ngram", "suffix", "draft_model_target", "draft_model_tiny"])
+def test_auto_depth_with_pipelined_drafting_equals_target_only(method_label, target, references, tiny_shared_vocab_draft,
+                                                               workload_prompts):
+    """The adaptive controller picks k per step and the next block is drafted during each verify."""
+    method, draft = _draft_for(method_label, target, tiny_shared_vocab_draft)
+    engine = SpeculativeEngine(TargetModel(target), make_proposer(method, draft), k=8, eos_token_ids=target.eos_token_ids,
+                               depth=DepthPolicy("auto", 8), pipeline=True)
+    drafted = used = 0
+    for p in workload_prompts:
+        ids, expected = references[p.id]
+        gen = engine.generate(ids, SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS))).run()
+        assert gen.token_ids == expected, f"{method_label} auto+pipeline differs from target-only on {p.id}"
+        drafted += gen.stats.num_draft_tokens
+        used += gen.stats.pipeline_hits
+    assert drafted > 0, "the proposer never drafted: the test exercised nothing"
+    if method_label == "draft_model_target":  # the target as its own draft: every block accepted, bonus guessed
+        assert used > 0, "no pre-drafted block was ever used"
 
 
 def test_no_speculation_equals_target_only(target, references, workload_prompts):

@@ -12,6 +12,7 @@ from coordinator.controller import (
     CostModel,
     DepthController,
     LoadSignal,
+    SharedAcceptance,
     best_depth,
     depth_rates,
     expected_tokens,
@@ -365,3 +366,26 @@ def test_make_controller_rejects_bad_specs(spec: str, problem: str) -> None:
     with pytest.raises(ValueError) as info:
         make_controller(spec, K_MAX, CostModel())
     assert problem in str(info.value)
+
+
+def test_one_stalled_pass_barely_moves_a_settled_cell() -> None:
+    cm = CostModel()
+    for _ in range(10):
+        cm.observe_verify(1, 1, 30.0)
+    cm.observe_verify(1, 1, 3000.0)  # a pass that waited for a neighbour process
+    assert cm.verify_ms(1, 1) < 40.0
+
+
+def test_new_sessions_start_from_the_shared_acceptance() -> None:
+    """A useless draft seen by earlier sessions: the next session is off from its first step; a
+    draft that earlier sessions found excellent: the next session starts deep."""
+    cm = simulated_cost_model()
+    useless, excellent = SharedAcceptance(), SharedAcceptance()
+    for _ in range(200):
+        useless.update(4, 0)
+        excellent.update(8, 8)
+    assert make_controller("auto", K_MAX, cm, useless).choose() == 0
+    assert make_controller("auto", K_MAX, cm, excellent).choose() >= 6
+    session = make_controller("auto", K_MAX, cm, useless)
+    run_session(session, [0.0] * 20)
+    assert useless.alpha < 0.05  # sessions feed the shared estimate back

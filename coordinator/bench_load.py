@@ -1,0 +1,259 @@
+"""`specd bench-load`: speculation off, fixed k and the adaptive controller under load.
+
+Starts the stack (target, a draft service serving ngram, suffix and a tiny random draft model,
+coordinator), then in each run, for every workload kind and concurrency level, runs the kind's
+prompts closed-loop with every depth configuration back to back (speculation off, each fixed k,
+auto), so that the configurations of a cell are compared on the same machine state. It also
+measures transformers' target-only tokens/s in this process on each kind (the baseline the issue
+asks auto to beat by 2x on code_edit), the "useless draft" case (a tiny random draft model, where
+auto must match speculation off), and one open-loop run whose arrival rate rises and falls, to
+plot the k the controller chose over time. Medians over runs; plots as PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from coordinator.bench import HF_TARGET, hf_systems
+from coordinator.loadgen import LoadGenerator, LoadSpec, k_over_time, poisson_arrivals, step_rate, summarize
+from specd.launcher import start_stack
+from specd.models import load_model, save_tiny_random_model
+from specd.workloads import default_prompts_path, load_prompts
+
+OFF = "off"
+AUTO = "auto"
+
+
+def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", default=None)
+    p.add_argument("--kinds", default=None, help="comma list of workload kinds (default: all)")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="comma list (default 1,2,4,8,16)")
+    p.add_argument("--fixed-k", default="2,4,8", help="fixed depths to compare (default 2,4,8)")
+    p.add_argument("--method", default="ngram", help="drafting method of the per-kind sweep (default ngram)")
+    p.add_argument("--max-tokens", type=int, default=32, help="cap on every prompt's max_tokens (default 32)")
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
+                   help="pipelined drafting for every speculating configuration")
+    p.add_argument("--ramp-seconds", type=float, default=90.0, help="length of the rising-and-falling load run (0: skip)")
+    p.add_argument("--out", default="bench-results/load")
+
+
+def _configs(fixed: list[int]) -> list[tuple[str, str]]:
+    return [(OFF, "0")] + [(f"k{k}", str(k)) for k in fixed] + [(AUTO, "auto")]
+
+
+def best_fixed(cell: dict[str, float], fixed: list[int]) -> tuple[str, float]:
+    """The fixed-k configuration with the highest tokens/s in a cell."""
+    name = max((f"k{k}" for k in fixed), key=lambda n: cell.get(n, 0.0))
+    return name, cell.get(name, 0.0)
+
+
+def run_bench_load(args: argparse.Namespace) -> int:
+    prompts = load_prompts(args.prompts or default_prompts_path())
+    kinds = args.kinds.split(",") if args.kinds else sorted({p.kind for p in prompts})
+    prompts = [p.with_max_tokens(min(p.max_tokens, args.max_tokens)) for p in prompts if p.kind in kinds]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    fixed = [int(k) for k in args.fixed_k.split(",")]
+    configs = _configs(fixed)
+    target = load_model()
+    encoded = {p.id: target.encode(p.prompt, chat=p.chat) for p in prompts}
+    hf = hf_systems(target, [HF_TARGET], 10)[0]
+    log_dir = Path(tempfile.mkdtemp(prefix="specd-bench-load-"))
+    tiny = save_tiny_random_model(log_dir / "tiny-draft", vocab_size=target.vocab_size, hidden_size=64,
+                                  tokenizer_from=target.tokenizer, max_position_embeddings=8192)
+    print(f"starting the stack (logs in {log_dir})", file=sys.stderr, flush=True)
+    stack = start_stack(log_dir, draft_model=str(tiny), method=args.method, k="auto",
+                        coordinator_args=["--pipeline"] if args.pipeline else [])
+    # tps[kind][conc][config] -> list over runs; likewise p50 latency
+    tps: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    p50: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    mean_k: dict = defaultdict(lambda: defaultdict(list))
+    hf_tps: dict[str, list[float]] = defaultdict(list)
+    useless: dict[str, list[float]] = defaultdict(list)
+    errors = 0
+    ramp: dict = {}
+    try:
+        gens = {kind: LoadGenerator(stack.coordinator.address, [p for p in prompts if p.kind == kind],
+                                    encode=lambda p: encoded[p.id]) for kind in kinds}
+        warm = LoadSpec(args.method, "auto", max_tokens=8)
+        for kind in kinds:  # warm-up: every configuration once per kind, untimed
+            gens[kind].closed_loop(1, 1, warm)
+        hf.run(prompts[0].with_max_tokens(8), encoded[prompts[0].id])
+        for run in range(args.runs):
+            for kind in kinds:
+                start, tokens = time.perf_counter(), 0
+                for p in (q for q in prompts if q.kind == kind):
+                    ids, _ = hf.run(p, encoded[p.id])
+                    tokens += len(ids)
+                hf_tps[kind].append(tokens / (time.perf_counter() - start))
+                for conc in levels:
+                    requests = max(conc, len(gens[kind].prompts))
+                    line = []
+                    for name, depth in configs:
+                        spec = LoadSpec(args.method if depth != "0" else "none", depth, max_tokens=args.max_tokens)
+                        records, wall = gens[kind].closed_loop(conc, requests, spec)
+                        s = summarize(records, wall)
+                        errors += s["errors"]
+                        tps[kind][conc][name].append(s["tokens_per_s"])
+                        p50[kind][conc][name].append(s["latency_ms_p50"] or 0.0)
+                        if name == AUTO:
+                            mean_k[kind][conc].append(s["mean_k"])
+                        line.append(f"{name} {s['tokens_per_s']:.1f}" + (f" (k {s['mean_k']:.1f})" if name == AUTO else ""))
+                    print(f"run {run + 1}: {kind:<10} c{conc:<3} " + " | ".join(line), file=sys.stderr, flush=True)
+            # the useless draft: a tiny random model proposes garbage; auto must turn it off
+            gen_all = LoadGenerator(stack.coordinator.address, prompts, encode=lambda p: encoded[p.id])
+            for name, depth in ((OFF, "0"), ("k4", "4"), (AUTO, "auto")):
+                spec = LoadSpec("draft_model" if depth != "0" else "none", depth, max_tokens=args.max_tokens)
+                records, wall = gen_all.closed_loop(1, len(prompts), spec)
+                useless[name].append(summarize(records, wall)["tokens_per_s"])
+            print(f"run {run + 1}: useless draft (tiny random model) c1: "
+                  + " | ".join(f"{n} {v[-1]:.1f}" for n, v in useless.items()), file=sys.stderr, flush=True)
+            gen_all.close()
+        if args.ramp_seconds > 0:
+            ramp = _ramp_run(stack.coordinator.address, prompts, encoded, args)
+        for g in gens.values():
+            g.close()
+    finally:
+        stack.stop()
+    report = _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ramp, args, errors)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-load.json").write_text(json.dumps(report, indent=1))
+    md = render(report)
+    (out / "bench-load.md").write_text(md)
+    _plots(report, out)
+    print(md)
+    return 0 if errors == 0 else 1
+
+
+def _ramp_run(address: str, prompts, encoded, args) -> dict:
+    """Open-loop arrivals whose rate rises and falls (low, high, low), under auto."""
+    third = args.ramp_seconds / 3
+    rates = [(0.0, 0.15), (third, 1.5), (2 * third, 0.15)]
+    arrivals = poisson_arrivals(step_rate(rates), args.ramp_seconds, seed=1)
+    print(f"ramp: {len(arrivals)} arrivals over {args.ramp_seconds:.0f} s (rates {rates})", file=sys.stderr, flush=True)
+    gen = LoadGenerator(address, prompts, encode=lambda p: encoded[p.id])
+    try:
+        records, wall = gen.open_loop(arrivals, LoadSpec(args.method, "auto", max_tokens=args.max_tokens))
+    finally:
+        gen.close()
+    in_flight = []
+    for t in range(int(wall) + 1):
+        in_flight.append(sum(1 for r in records if r.sent <= t < (r.done or wall)))
+    return {"rates": rates, "summary": summarize(records, wall),
+            "k_over_time": [[t, round(k, 3), n] for t, k, n in k_over_time(records, bin_s=3.0)],
+            "in_flight": in_flight}
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 2) if values else 0.0
+
+
+def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ramp, args, errors) -> dict:
+    cells = {kind: {str(c): {name: _median(tps[kind][c][name]) for name, _ in configs} for c in levels} for kind in kinds}
+    lat = {kind: {str(c): {name: _median(p50[kind][c][name]) for name, _ in configs} for c in levels} for kind in kinds}
+    checks = {}
+    for kind in kinds:
+        c1 = cells[kind][str(levels[0])]
+        top = cells[kind][str(levels[-1])]
+        best_name, best_value = best_fixed(c1, fixed)
+        top_best_name, top_best = best_fixed(top, fixed)
+        checks[kind] = {
+            f"c{levels[0]}_auto_vs_best_fixed ({best_name})": round(c1[AUTO] / best_value, 3) if best_value else None,
+            f"c{levels[-1]}_auto_vs_off": round(top[AUTO] / top[OFF], 3) if top[OFF] else None,
+            f"c{levels[-1]}_auto_vs_best_fixed ({top_best_name})": round(top[AUTO] / top_best, 3) if top_best else None,
+            f"c{levels[0]}_auto_vs_transformers_target_only": round(c1[AUTO] / _median(hf_tps[kind]), 3),
+        }
+    return {
+        "tokens_per_s": cells, "latency_ms_p50": lat,
+        "auto_mean_k": {kind: {str(c): _median(mean_k[kind][c]) for c in levels} for kind in kinds},
+        "transformers_target_only_tokens_per_s": {kind: _median(v) for kind, v in hf_tps.items()},
+        "useless_draft_c1_tokens_per_s": {n: _median(v) for n, v in useless.items()},
+        "useless_draft_auto_vs_off": round(_median(useless[AUTO]) / _median(useless[OFF]), 3) if useless.get(OFF) else None,
+        "checks": checks, "ramp": ramp, "errors": errors,
+        "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "method": args.method,
+                     "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline},
+    }
+
+
+def render(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"Closed loop, method {s['method']}, max_tokens {s['max_tokens']}, pipeline {s['pipeline']}, "
+             f"medians of {s['runs']} run(s). Tokens/s (p50 request latency, ms):", ""]
+    configs = list(next(iter(next(iter(report["tokens_per_s"].values())).values())))
+    lines.append("| kind | c | " + " | ".join(configs) + " | auto mean k |")
+    lines.append("|---|---|" + "---|" * (len(configs) + 1))
+    for kind, rows in report["tokens_per_s"].items():
+        for c, cell in rows.items():
+            lat = report["latency_ms_p50"][kind][c]
+            lines.append(f"| {kind} | {c} | " + " | ".join(f"{cell[n]:.1f} ({lat[n]:.0f})" for n in configs)
+                         + f" | {report['auto_mean_k'][kind][c]:.2f} |")
+    lines += ["", "| kind | transformers target-only tok/s | " + " | ".join(next(iter(report["checks"].values()))) + " |",
+              "|---|---|" + "---|" * len(next(iter(report["checks"].values())))]
+    for kind, checks in report["checks"].items():
+        lines.append(f"| {kind} | {report['transformers_target_only_tokens_per_s'][kind]:.1f} | "
+                     + " | ".join(f"{v:.2f}x" if v is not None else "-" for v in checks.values()) + " |")
+    u = report["useless_draft_c1_tokens_per_s"]
+    lines += ["", f"Useless draft (tiny random draft model, c1): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in u.items())
+              + f"; auto vs off {report['useless_draft_auto_vs_off']}x"]
+    if report["ramp"]:
+        r = report["ramp"]["summary"]
+        lines.append(f"Ramp (open loop, rates {report['ramp']['rates']}): {r['completed']} requests, "
+                     f"{r['tokens_per_s']} tok/s, TTFT p50 {r['ttft_ms_p50']} ms, ITL p50/p99 {r['itl_ms_p50']}/"
+                     f"{r['itl_ms_p99']} ms, mean k {r['mean_k']}")
+    lines.append(f"Errors: {report['errors']}")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(report["tokens_per_s"])
+    for metric, ylabel, fname in (("tokens_per_s", "tokens/s", "tokens-per-s.png"),
+                                  ("latency_ms_p50", "p50 request latency (ms)", "latency-p50.png")):
+        cols = min(3, len(kinds))
+        rows = (len(kinds) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+        for ax, kind in zip(axes.flat, kinds):
+            data = report[metric][kind]
+            levels = [int(c) for c in data]
+            for name in next(iter(data.values())):
+                ax.plot(levels, [data[str(c)][name] for c in levels], marker="o", label=name,
+                        linewidth=2.5 if name == AUTO else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.set_title(kind)
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(kinds):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+    if report["ramp"]:
+        ramp = report["ramp"]
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        t = [row[0] for row in ramp["k_over_time"]]
+        ax.step(t, [row[1] for row in ramp["k_over_time"]], where="post", label="mean k chosen (auto)", color="C0")
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("k")
+        ax2 = ax.twinx()
+        ax2.plot(range(len(ramp["in_flight"])), ramp["in_flight"], color="C3", alpha=0.6, label="requests in flight")
+        ax2.set_ylabel("requests in flight")
+        fig.legend(loc="upper right", fontsize=8)
+        ax.set_title("k under rising and falling load (open loop)")
+        fig.tight_layout()
+        fig.savefig(out / "k-over-time.png", dpi=110)
+        plt.close(fig)
