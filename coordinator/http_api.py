@@ -199,7 +199,8 @@ class OpenAIApp:
             stream, include_usage = oa.parse_stream(body)
             carrier = request.headers if self.service.telemetry.tracing_on else None  # a client's traceparent
             ticket = await self._admit()
-            handle = self.service.start(prompt, params, method, k, trace_carrier=carrier)
+            depth = k if isinstance(k, str) else ""
+            handle = self.service.start(prompt, params, method, None if depth else k, trace_carrier=carrier, depth=depth)
         except _TooLarge as exc:
             return JSONResponse(oa.error_body(str(exc), "invalid_request_error", "body"), 413)
         except Exception as exc:

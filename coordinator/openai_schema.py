@@ -82,7 +82,8 @@ def parse_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     ).validate()
 
 
-def parse_speculation(body: dict) -> tuple[str | None, int | None]:
+def parse_speculation(body: dict) -> tuple[str | None, int | str | None]:
+    """`speculative`: {"method": ..., "k": 4 | "auto" | "schedule:..."}; a string k is a depth policy."""
     spec = body.get("speculative")
     if spec is None:
         return None, None
@@ -92,8 +93,8 @@ def parse_speculation(body: dict) -> tuple[str | None, int | None]:
     if method is not None and method not in ("none", "ngram", "suffix", "draft_model"):
         raise InvalidArgument("speculative.method", f"unknown method {method!r}; use none, ngram, suffix or draft_model")
     k = spec.get("k")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
-        raise InvalidArgument("speculative.k", "must be an integer")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, (int, str))):
+        raise InvalidArgument("speculative.k", "must be an integer or a depth policy (\"auto\", \"schedule:1=8,8=0\")")
     return method, k
 
 

@@ -88,6 +88,7 @@ def test_stop_strings_and_extras(oai, model_name):
     ({"n": 2}, "n"),
     ({"extra_body": {"top_k": -3}}, "top_k"),
     ({"extra_body": {"speculative": {"method": "magic"}}}, "speculative.method"),
+    ({"extra_body": {"speculative": {"k": "sometimes"}}}, "speculation.depth"),
 ])
 def test_bad_parameters_are_400_naming_the_parameter(oai, model_name, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
