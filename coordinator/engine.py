@@ -16,6 +16,11 @@ is dropped. Drafts are only proposals, so exactness does not depend on any of th
 alone decides what is emitted, and under sampling the pre-drafted tokens are still samples of q
 given the (now confirmed) context.
 
+Replica failures (coordinator/failover.py): every draft call goes through a `DraftLink`, which
+turns a failed or slow draft into an empty proposal (k = 0 for that step) and re-opens the draft
+session after a backoff; every target call goes through a `TargetLink`, which re-opens a failed
+session on another replica from the prompt plus the tokens emitted so far and continues.
+
 Later transports (gRPC, Ray) plug different session objects into the same loop: the loop only
 needs `prefill`, `verify`, `room` from the target session and `propose`, `append`, `close`
 (and `propose_ahead` for pipelining; `start_ahead` if the transport can overlap it with the
@@ -29,22 +34,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
 from coordinator.controller import DepthController, LoadSignal
+from coordinator.failover import (DraftLink, FailoverOutcome, FaultHook, TargetLink, TargetSessionLike,  # noqa: F401
+                                  VerifierLike)
 from coordinator.stats import SpecStats
-from draft_service.proposers.base import DraftSession, Proposal, Proposer
+from draft_service.proposers.base import Proposal, Proposer
 from specd.sampling import SamplingParams
-from target_service.rejection_sampler import VerifyOutcome
-
-
-class TargetSessionLike(Protocol):
-    @property
-    def room(self) -> int: ...
-    def prefill(self) -> int: ...
-    def verify(self, proposal: Proposal) -> VerifyOutcome: ...
-    def close(self) -> None: ...
-
-
-class VerifierLike(Protocol):
-    def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> TargetSessionLike: ...
 
 
 FINISH_STOP = "stop"
@@ -62,6 +56,7 @@ class Generation:
     time_to_first_token: float | None = None
     duration: float | None = None
     chunks: Iterator[list[int]] | None = None
+    faults: list[tuple[str, str]] = field(default_factory=list)  # (service, reason) per replica failure survived or not
 
     def __iter__(self) -> Iterator[list[int]]:
         assert self.chunks is not None
@@ -122,23 +117,6 @@ class DepthPolicyLike(Protocol):
     def load(self, target: TargetSessionLike) -> LoadSignal | None: ...
 
 
-class _Done:
-    """An already computed pre-drafted block (in-process sessions draft ahead synchronously)."""
-
-    def __init__(self, proposal: Proposal):
-        self.proposal = proposal
-
-    def result(self) -> Proposal:
-        return self.proposal
-
-
-def _start_ahead(draft: DraftSession, assumed: list[int], k: int):
-    start = getattr(draft, "start_ahead", None)
-    if start is not None:
-        return start(assumed, k)  # a remote call in flight: .result() waits for it
-    return _Done(draft.propose_ahead(assumed, k))
-
-
 def use_predrafted(accepted_whole: bool, target_token: int, block: Proposal) -> Proposal | None:
     """The next proposal from a block drafted ahead, or None when it must be dropped.
 
@@ -173,7 +151,9 @@ class SpeculativeEngine:
         decode: Callable[[list[int]], str] | None = None,
         depth: DepthPolicyLike | None = None,
         pipeline: bool = False,
+        on_fault: FaultHook | None = None,
     ):
+        """on_fault(service, reason): called for every replica failure a request meets (metrics)."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         self.verifier = verifier
@@ -183,6 +163,7 @@ class SpeculativeEngine:
         self.pipeline = pipeline and proposer is not None
         self.eos_token_ids = eos_token_ids
         self.decode = decode
+        self.on_fault = on_fault
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         params.validate()
@@ -191,63 +172,76 @@ class SpeculativeEngine:
         gen.chunks = self._loop(gen, target, params)
         return gen
 
-    def _loop(self, gen: Generation, target: TargetSessionLike, params: SamplingParams) -> Iterator[list[int]]:
+    def _loop(self, gen: Generation, session: TargetSessionLike, params: SamplingParams) -> Iterator[list[int]]:
         start = time.perf_counter()
         stopper = StopChecker(params, self.eos_token_ids, self.decode)
-        controller = self.depth.controller(target) if self.depth is not None else None
-        draft: DraftSession | None = None
+        controller = self.depth.controller(session) if self.depth is not None else None
+
+        def fault(service: str, reason: str) -> None:
+            gen.faults.append((service, reason))
+            if self.on_fault is not None:
+                self.on_fault(service, reason)
+
+        target = TargetLink(self.verifier, session, gen.prompt_ids, params, fault)
+        draft = DraftLink(self.proposer, params, fault) if self.proposer is not None else None
+        context = lambda: gen.prompt_ids + gen.token_ids  # noqa: E731  (the draft session opens on it)
         predrafted: Proposal | None = None  # the next block, drafted during the last verify
+        step = 0
         try:
-            first = target.prefill()
+            first = target.prefill(gen.token_ids)
             gen.stats.target_forward_passes += 1
             gen.time_to_first_token = time.perf_counter() - start
             out, gen.finish_reason = stopper.accept(gen.token_ids, [first])
             gen.token_ids.extend(out)
             yield out
             while gen.finish_reason is None:
-                if target.room <= 0:
+                step += 1
+                if target.session.room <= 0:
                     gen.finish_reason = FINISH_LENGTH
                     break
-                limit = min(params.max_tokens - len(gen.token_ids) - 1, target.room - 1)
+                limit = min(params.max_tokens - len(gen.token_ids) - 1, target.session.room - 1)
                 if controller is not None:
-                    wanted = controller.choose(self.depth.load(target))  # type: ignore[union-attr]
+                    wanted = controller.choose(self.depth.load(target.session))  # type: ignore[union-attr]
                 else:
                     wanted = self.k
                 k = min(wanted, limit)
                 draft_s = 0.0
                 proposal = Proposal()
-                if k > 0:
+                if k > 0 and draft is not None:
                     if predrafted is not None:
                         proposal = _truncate(predrafted, k)
                     else:
-                        if draft is None:
-                            draft = self.proposer.open_session(gen.prompt_ids + gen.token_ids, params)  # type: ignore[union-attr]
                         t = time.perf_counter()
-                        proposal = draft.propose(k)
+                        proposal = draft.propose(context, k, step)
                         draft_s = time.perf_counter() - t
                 elif draft is not None and wanted == 0:  # speculation is off for now: free the draft's state
                     draft.close()
-                    draft = None
                 predrafted = None
                 ahead = None
                 if self.pipeline and draft is not None and proposal.tokens and wanted > 0:
-                    ahead = _start_ahead(draft, list(proposal.tokens), wanted + 1)
+                    ahead = draft.start_ahead(list(proposal.tokens), wanted + 1, step)
                 t = time.perf_counter()
-                outcome = target.verify(proposal)
+                outcome = target.verify(proposal, gen.token_ids)
                 verify_s = time.perf_counter() - t
                 if ahead is not None:
                     t = time.perf_counter()
-                    predrafted = use_predrafted(outcome.num_accepted == len(proposal.tokens), outcome.tokens[-1],
-                                                ahead.result())
+                    block = draft.finish_ahead(ahead, step)  # type: ignore[union-attr]
                     draft_s += time.perf_counter() - t
-                    gen.stats.record_pipeline(predrafted is not None)
-                gen.stats.record_step(len(proposal.tokens), outcome.num_accepted)
-                gen.stats.k_per_step.append(len(proposal.tokens))
-                if controller is not None:
-                    controller.observe(len(proposal.tokens), outcome.num_accepted, draft_s * 1000, verify_s * 1000,
-                                       getattr(outcome, "batch_size", 1))
+                    if block is not None and not isinstance(outcome, FailoverOutcome):
+                        predrafted = use_predrafted(outcome.num_accepted == len(proposal.tokens), outcome.tokens[-1],
+                                                    block)
+                        gen.stats.record_pipeline(predrafted is not None)
+                if isinstance(outcome, FailoverOutcome):  # the block was dropped; the new session's prefill gave the token
+                    gen.stats.record_step(0, 0)
+                    gen.stats.k_per_step.append(0)
+                else:
+                    gen.stats.record_step(len(proposal.tokens), outcome.num_accepted)
+                    gen.stats.k_per_step.append(len(proposal.tokens))
+                    if controller is not None:
+                        controller.observe(len(proposal.tokens), outcome.num_accepted, draft_s * 1000, verify_s * 1000,
+                                           getattr(outcome, "batch_size", 1))
                 if draft is not None:
-                    draft.append(outcome.tokens)
+                    draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)
                 gen.token_ids.extend(out)
                 yield out

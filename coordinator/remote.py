@@ -18,12 +18,17 @@ from opentelemetry.trace import SpanKind
 
 from coordinator.replicas import Replica, ReplicaPool  # noqa: F401  (re-exported: the transport's pool)
 from coordinator.compat import DraftCompat, NoDraftSession, is_refusal
+from coordinator.watchdog import WATCHDOG
 from draft_service.proposers.base import Proposal
+from specd.errors import CallTimeout
 from specd.sampling import SamplingParams
 from specd.telemetry import Telemetry, inject_into
 from specd.wire import METHOD_TO_PROTO, probs_from_proto, probs_to_proto, sampling_to_proto
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.rejection_sampler import VerifyOutcome
+
+
+OPEN_BUDGET_FACTOR = 10  # a draft session's open may take this many draft budgets (it prefills the draft model)
 
 
 def _drain_queue(q: "queue.SimpleQueue[Any]") -> Iterator[Any]:
@@ -35,23 +40,37 @@ def _drain_queue(q: "queue.SimpleQueue[Any]") -> Iterator[Any]:
 
 
 class LockstepStream:
-    """A bidi stream used as a sequence of request/reply pairs."""
+    """A bidi stream used as a sequence of request/reply pairs.
+
+    `budget` (seconds) bounds one reply's wait: past it the watchdog cancels the whole stream and
+    the call raises CallTimeout (the stream's own deadline is the request's, for all its calls).
+    """
 
     def __init__(self, method: Callable[..., Iterator[Any]], timeout: float | None, metadata: Sequence[tuple[str, str]] = ()):
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._replies = method(_drain_queue(self._requests), timeout=timeout, metadata=tuple(metadata))
         self.closed = False
 
-    def call(self, request: Any) -> Any:
+    def call(self, request: Any, budget: float | None = None) -> Any:
         self._requests.put(request)
-        return next(self._replies)
+        return self.receive(budget)
 
     def send(self, request: Any) -> None:
         """Half of `call`: the reply is read later with `receive` (pipelined drafting)."""
         self._requests.put(request)
 
-    def receive(self) -> Any:
-        return next(self._replies)
+    def receive(self, budget: float | None = None) -> Any:
+        if not budget or budget <= 0:
+            return next(self._replies)
+        alarm = WATCHDOG.arm(budget, self._replies.cancel)  # type: ignore[attr-defined]
+        try:
+            return next(self._replies)
+        except grpc.RpcError as exc:
+            if alarm.fired:
+                raise CallTimeout(f"no reply within {budget * 1000:.0f} ms") from exc
+            raise
+        finally:
+            alarm.disarm()
 
     def close(self) -> None:
         if not self.closed:
@@ -113,6 +132,11 @@ class StepTelemetry:
         m.k.record(k, self.attrs)
         m.draft_duration.record(seconds, self.attrs)
 
+    def record_fault(self, service: str, reason: str) -> None:
+        """The engine met a replica failure (coordinator/failover.py): count it."""
+        if self.metrics:
+            self.tel.coordinator.failovers.add(1, {**self.attrs, "specd.service": service, "specd.reason": reason})
+
 
 @dataclass
 class RemoteVerifyOutcome(VerifyOutcome):
@@ -121,9 +145,23 @@ class RemoteVerifyOutcome(VerifyOutcome):
     batch_size: int = 1
 
 
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until a request's deadline (None: no deadline); TimeoutError once it passed."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the request's deadline passed")
+    return left
+
+
 class RemoteTargetSession:
+    """`step_timeout`: the longest wait for one prefill or verify reply (None: the request's
+    deadline only); past it the call raises CallTimeout and the engine fails over."""
+
     def __init__(self, pool: ReplicaPool, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                 timeout: float | None, times: CallTimes, telemetry: StepTelemetry | None = None):
+                 timeout: float | None, times: CallTimes, telemetry: StepTelemetry | None = None,
+                 step_timeout: float | None = None):
         self.pool = pool
         self.replica = pool.acquire()
         self.prompt_ids = list(prompt_ids)
@@ -131,6 +169,7 @@ class RemoteTargetSession:
         self.request_id = request_id
         self.times = times
         self.telemetry = telemetry
+        self.step_timeout = step_timeout
         self.session_id = ""
         self._room = 0
         stub = target_pb2_grpc.TargetServiceStub(self.replica.channel)
@@ -144,11 +183,11 @@ class RemoteTargetSession:
         request = target_pb2.TargetRequest(open=target_pb2.OpenTargetSession(
             prompt_token_ids=self.prompt_ids, params=sampling_to_proto(self.params), request_id=self.request_id))
         if self.telemetry is None or not self.telemetry.tracing:
-            opened = self.stream.call(request).opened
+            opened = self.stream.call(request, self.step_timeout).opened
         else:
             with self.telemetry.span("prefill", {"specd.prompt_tokens": len(self.prompt_ids)}) as span:
                 inject_into(span, request.trace_context)
-                opened = self.stream.call(request).opened
+                opened = self.stream.call(request, self.step_timeout).opened
                 span.set_attributes({"specd.session_id": opened.session_id, "specd.prefill_ms": opened.prefill_ms,
                                      "specd.queue_ms": opened.queue_ms})
         self.session_id = opened.session_id
@@ -164,12 +203,12 @@ class RemoteTargetSession:
         tel = self.telemetry
         start = time.perf_counter()
         if tel is None or not tel.tracing:
-            reply = self.stream.call(request).verified
+            reply = self.stream.call(request, self.step_timeout).verified
         else:
             k, tel.k = tel.k, 0
             with tel.span("verify", {"specd.k": k, "specd.draft_tokens": len(proposal.tokens)}) as span:
                 inject_into(span, request.trace_context)
-                reply = self.stream.call(request).verified
+                reply = self.stream.call(request, self.step_timeout).verified
                 span.set_attributes({"specd.accepted_tokens": reply.num_accepted, "specd.batch_size": reply.batch_size,
                                      "specd.verify_ms": reply.verify_ms, "specd.queue_ms": reply.queue_ms,
                                      "specd.session_id": self.session_id})
@@ -187,32 +226,45 @@ class RemoteTargetSession:
             self.stream.close()
             self.pool.release(self.replica)
 
+    def abandon(self) -> None:
+        """The session broke (the engine fails over): close it and have the pool re-check the replica."""
+        self.close()
+        self.pool.report_failure(self.replica)
+
 
 class RemoteVerifier:
-    """The target pool as the engine's verifier."""
+    """The target pool as the engine's verifier. `timeout`: the request's (every session opened
+    for it, a failover's too, gets what is left of it); `step_timeout`: see RemoteTargetSession."""
 
     def __init__(self, pool: ReplicaPool, request_id: str = "", timeout: float | None = None, times: CallTimes | None = None,
-                 telemetry: StepTelemetry | None = None):
+                 telemetry: StepTelemetry | None = None, step_timeout: float | None = None):
         self.pool = pool
         self.request_id = request_id
-        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout if timeout is not None else None
         self.times = times or CallTimes()
         self.telemetry = telemetry
+        self.step_timeout = step_timeout
 
     def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteTargetSession:
-        return RemoteTargetSession(self.pool, prompt_ids, params, self.request_id, self.timeout, self.times, self.telemetry)
+        return RemoteTargetSession(self.pool, prompt_ids, params, self.request_id, remaining(self.deadline), self.times,
+                                   self.telemetry, self.step_timeout)
 
 
 class RemoteDraftSession:
-    """Feedback is buffered and travels with the next propose request: one round trip a step."""
+    """Feedback is buffered and travels with the next propose request: one round trip a step.
+
+    `budget`: the longest wait for one block (None: no limit); past it the call raises
+    CallTimeout and the engine goes on without this session. The open, which runs the draft
+    model over the prompt, gets OPEN_BUDGET_FACTOR times as long."""
 
     def __init__(self, pool: ReplicaPool, method: str, prompt_ids: Sequence[int], params: SamplingParams,
                  request_id: str, timeout: float | None, times: CallTimes, telemetry: StepTelemetry | None = None,
-                 compat: DraftCompat | None = None):
+                 compat: DraftCompat | None = None, budget: float | None = None):
         self.pool = pool
         self.replica = pool.acquire()
         self.times = times
         self.telemetry = telemetry
+        self.budget = budget
         self._appended: list[int] = []
         stub = draft_pb2_grpc.DraftServiceStub(self.replica.channel)
         self.stream = LockstepStream(stub.Session, timeout)
@@ -225,7 +277,7 @@ class RemoteDraftSession:
         if telemetry is not None and telemetry.tracing and telemetry.parent is not None:
             inject_into(telemetry.parent, request.trace_context)  # "draft.open" is a child of the request span
         try:
-            self.session_id = self.stream.call(request).session_id
+            self.session_id = self.stream.call(request, budget * OPEN_BUDGET_FACTOR if budget else None).session_id
         except BaseException:
             self.close()
             raise
@@ -235,12 +287,12 @@ class RemoteDraftSession:
         tel = self.telemetry
         start = time.perf_counter()
         if tel is None or not tel.tracing:
-            block = self.stream.call(request)
+            block = self.stream.call(request, self.budget)
         else:
             tel.k = k
             with tel.span("draft", {"specd.k": k, "specd.appended_tokens": len(self._appended)}) as span:
                 inject_into(span, request.trace_context)
-                block = self.stream.call(request)
+                block = self.stream.call(request, self.budget)
                 span.set_attributes({"specd.draft_tokens": len(block.token_ids), "specd.draft_ms": block.draft_ms,
                                      "specd.session_id": self.session_id})
         wall = time.perf_counter() - start
@@ -266,7 +318,7 @@ class RemoteDraftSession:
         return _PendingBlock(self, k, time.perf_counter())
 
     def _finish_ahead(self, k: int, sent_at: float) -> Proposal:
-        block = self.stream.receive()
+        block = self.stream.receive(self.budget)  # the budget counts from here: the verify call overlapped it
         wall = time.perf_counter() - sent_at
         self.times.draft_ms += block.draft_ms  # its wall time overlapped the verify call: not counted as RPC overhead
         if self.telemetry is not None and self.telemetry.metrics:
@@ -282,6 +334,11 @@ class RemoteDraftSession:
         if not self.stream.closed:
             self.stream.close()
             self.pool.release(self.replica)
+
+    def abandon(self) -> None:
+        """The session failed (the engine goes on without it): close it, have the pool re-check the replica."""
+        self.close()
+        self.pool.report_failure(self.replica)
 
 
 class _PendingBlock:
@@ -300,21 +357,23 @@ class RemoteProposer:
     """The draft pool as the engine's proposer, for one method."""
 
     def __init__(self, pool: ReplicaPool, method: str, request_id: str = "", timeout: float | None = None,
-                 times: CallTimes | None = None, telemetry: StepTelemetry | None = None, compat: DraftCompat | None = None):
+                 times: CallTimes | None = None, telemetry: StepTelemetry | None = None, compat: DraftCompat | None = None,
+                 budget: float | None = None):
         self.pool = pool
         self.name = method
         self.compat = compat
         self.request_id = request_id
-        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout if timeout is not None else None
         self.times = times or CallTimes()
         self.telemetry = telemetry
+        self.budget = budget
 
     def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteDraftSession | NoDraftSession:
         """A refused open (FAILED_PRECONDITION: another vocabulary, or the method not served) runs
         the request without speculation instead of failing it, when `compat` reports refusals."""
         try:
-            return RemoteDraftSession(self.pool, self.name, prompt_ids, params, self.request_id, self.timeout, self.times,
-                                      self.telemetry, self.compat)
+            return RemoteDraftSession(self.pool, self.name, prompt_ids, params, self.request_id, remaining(self.deadline),
+                                      self.times, self.telemetry, self.compat, self.budget)
         except grpc.RpcError as exc:
             if self.compat is None or not is_refusal(exc):
                 raise

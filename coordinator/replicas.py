@@ -321,6 +321,22 @@ class ReplicaPool:
                 replica.healthy = healthy
                 replica.last_status = status
 
+    def report_failure(self, replica: Replica) -> None:
+        """A session on `replica` just failed at the transport level (the caller fails over or
+        goes on without it): check the replica's health now rather than at the next round, so
+        that new sessions, the failover's included, avoid it at once if it is down or draining.
+        A replica that still answers SERVING stays eligible (one broken stream is not a dead
+        replica). Without health checks (interval 0) this does nothing."""
+        if self.options.health_interval_s <= 0:
+            return
+        healthy, status = self.options.health_check([replica], self.options.health_timeout_s)[0]
+        with self._lock:
+            if replica.healthy and not healthy:
+                log.warning("%s replica %s failed a session and is unhealthy (%s): no new sessions",
+                            self.name, replica.address, status)
+            replica.healthy = healthy
+            replica.last_status = status
+
     def _watch(self) -> None:
         interval = self.options.health_interval_s
         next_refresh = time.monotonic() + self.discovery.refresh_s

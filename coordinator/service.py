@@ -254,7 +254,11 @@ def parse_depth(spec: str, k_max: int, field: str = "speculation.depth") -> tupl
 class GenerationService:
     def __init__(self, targets: ReplicaPool, drafts: ReplicaPool | None, tokenizer: Any, model_name: str,
                  eos_token_ids: frozenset[int], method: str = "ngram", k: int | str = "auto", telemetry: Telemetry | None = None,
-                 vocab_hash: str = "", k_max: int = 8, pipeline: bool = False, monitor: LoadMonitor | None = None):
+                 vocab_hash: str = "", k_max: int = 8, pipeline: bool = False, monitor: LoadMonitor | None = None,
+                 draft_budget_ms: float = 1000.0, step_timeout_s: float = 30.0):
+        """draft_budget_ms: the longest wait for one draft block before the step goes on without
+        it; step_timeout_s: the longest wait for one prefill or verify before the session fails
+        over to another target replica (0: no limit for either; coordinator/failover.py)."""
         self.targets = targets
         self.drafts = drafts
         self.tokenizer = tokenizer
@@ -264,6 +268,8 @@ class GenerationService:
         self.k = str(k)  # the default depth spec: "auto", "4", "schedule:...", ...
         self.k_max = k_max
         self.pipeline = pipeline
+        self.draft_budget_s = draft_budget_ms / 1000 if draft_budget_ms > 0 else None
+        self.step_timeout_s = step_timeout_s if step_timeout_s > 0 else None
         self.depth = DepthPolicy(self.k, k_max, monitor.costs if monitor is not None else None, monitor)  # raises ValueError on a bad spec
         self.active = 0
         self.draining = False
@@ -353,7 +359,8 @@ class GenerationService:
             proposer = self.open_proposer(method, request_id, timeout, times, steps) if method != "none" else None
             policy = self.depth.with_spec(spec) if spec is not None else None
             engine = SpeculativeEngine(verifier, proposer, k=k, eos_token_ids=self.eos_token_ids, decode=self.decode,
-                                       depth=policy, pipeline=self.pipeline if pipeline is None else pipeline)
+                                       depth=policy, pipeline=self.pipeline if pipeline is None else pipeline,
+                                       on_fault=steps.record_fault if steps is not None else None)
             if self.depth.monitor is not None:
                 self.depth.monitor.requests.record()
             generation = engine.generate(ids, params)
@@ -368,12 +375,13 @@ class GenerationService:
                       steps: StepTelemetry | None) -> Any:
         """One request's target side (the engine's verifier): the gRPC target pool. Another
         transport overrides this and `open_proposer` (Ray Serve: coordinator/ray_app.py)."""
-        return RemoteVerifier(self.targets, request_id, timeout, times, steps)
+        return RemoteVerifier(self.targets, request_id, timeout, times, steps, step_timeout=self.step_timeout_s)
 
     def open_proposer(self, method: str, request_id: str, timeout: float | None, times: CallTimes,
                       steps: StepTelemetry | None) -> Any:
         """One request's draft side (the engine's proposer) for `method`: the gRPC draft pool."""
-        return RemoteProposer(self.drafts, method, request_id, timeout, times, steps, self.compat)  # type: ignore[arg-type]
+        return RemoteProposer(self.drafts, method, request_id, timeout, times, steps, self.compat,  # type: ignore[arg-type]
+                              budget=self.draft_budget_s)
 
     def track(self) -> "_Active":
         return _Active(self)

@@ -155,7 +155,10 @@ class CoordinatorConfig(ServiceConfig):
     upstream_key: str | None = _opt(None, "key of upstream_cert (unset: tls_key)", metavar="FILE")
     upstream_server_name: str | None = _opt(None, "name to check the replicas' certificates against (unset: the "
                                             "address's host)", metavar="NAME")
-    step_timeout_s: float = _opt(30.0, "deadline of one draft or verify call", minimum=0)
+    step_timeout_s: float = _opt(30.0, "longest wait for one prefill or verify call; past it the session moves to "
+                                       "another target replica (0: no limit)", minimum=0)
+    draft_budget_ms: float = _opt(1000.0, "longest wait for one draft block; past it the request goes on without "
+                                          "speculation for a while (0: no limit)", minimum=0)
 
 
 # --- type conversion -------------------------------------------------------------------------

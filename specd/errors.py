@@ -47,3 +47,8 @@ class Unavailable(SpecdError):
 
 class NotFound(SpecdError):
     """A named entity (session, model) does not exist."""
+
+
+class CallTimeout(SpecdError, TimeoutError):
+    """One call to a replica outlived its budget (a hung or overloaded replica): the session on it
+    was given up. The coordinator treats it like a replica failure (fall back, or fail over)."""

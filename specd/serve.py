@@ -104,7 +104,7 @@ def start_coordinator(cfg: CoordinatorConfig, telemetry: Telemetry | None = None
     service = GenerationService(targets, drafts, load_tokenizer(cfg.tokenizer_model), info.name,
                                 frozenset(info.eos_token_ids), cfg.method, cfg.k, telemetry=telemetry,
                                 vocab_hash=info.vocab_hash, k_max=cfg.k_max, pipeline=cfg.pipeline,
-                                monitor=monitor)
+                                monitor=monitor, draft_budget_ms=cfg.draft_budget_ms, step_timeout_s=cfg.step_timeout_s)
     if drafts is not None:  # logs (and counts) draft replicas whose draft model has another vocabulary
         from coordinator.compat import check_draft_pool
 

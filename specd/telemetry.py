@@ -156,6 +156,11 @@ class CoordinatorMetrics:
         self.verify_duration = h("specd.coordinator.verify.duration", "s",
                                  "Wall time of one verify call as the coordinator sees it (network and batching included)",
                                  explicit_bucket_boundaries_advisory=STEP_BUCKETS)
+        # Replica failures a request met (coordinator/failover.py): a target session moved to
+        # another replica (or the request failed when none was left), a draft session given up.
+        self.failovers = c("specd.coordinator.failovers", "{event}",
+                           "Replica failures met by requests, by specd.service (target: the session moved; draft: "
+                           "the request went on without speculation) and specd.reason")
 
 
 class TargetMetrics:
