@@ -471,7 +471,9 @@ class DepthController:
     little throughput, while switching back and forth does cost (pipelines and caches restart).
     Turning off for the floor is immediate.
 
-    Re-probing: while the session sits at k = 0, nothing about acceptance is learnt. Every
+    Re-probing: while the session sits at k = 0, nothing about acceptance is learnt. A session
+    whose start comes from a `SharedAcceptance` saying "off" probes at its first step (the shared
+    rate comes from other prompts; acceptance is a property of this one). Then, every
     `probe_interval` steps it drafts `probe_k` tokens once; if acceptance still does not pay, the
     interval doubles, up to `probe_max_interval`, and it resets when speculation comes back. A
     session probes only when k = 0 is down to acceptance: when good acceptance would not pay
@@ -531,7 +533,8 @@ class DepthController:
         self.probe_k = min(max(probe_k, 1), k_max) if k_max > 0 else 0
         self.probe_alpha = probe_alpha
         if estimator is None:
-            estimator = AcceptanceEstimator(alpha0=shared.alpha) if shared is not None else AcceptanceEstimator()
+            # Seeded from the shared rate, but lightly: its sessions ran other prompts.
+            estimator = AcceptanceEstimator(alpha0=shared.alpha, prior_weight=2.0) if shared is not None else AcceptanceEstimator()
         self.estimator = estimator
         self.shared = shared
         self.k: int | None = None  # the committed depth (a probe step does not change it)
@@ -601,7 +604,8 @@ class DepthController:
         if k == 0 and self.k_max > 0:
             self._idle_steps += 1
             optimistic = max(self.estimator.alpha, self.probe_alpha)
-            if self._idle_steps >= self._interval and self._policy(optimistic, load) > 0:
+            first = self.shared is not None and not self.history  # the shared prior is no evidence about this prompt
+            if (first or self._idle_steps >= self._interval) and self._policy(optimistic, load) > 0:
                 self._idle_steps = 0
                 self._probed = True
                 k = self.probe_k

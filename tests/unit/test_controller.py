@@ -384,8 +384,13 @@ def test_new_sessions_start_from_the_shared_acceptance() -> None:
     for _ in range(200):
         useless.update(4, 0)
         excellent.update(8, 8)
-    assert make_controller("auto", K_MAX, cm, useless).choose() == 0
+    off = make_controller("auto", K_MAX, cm, useless)
+    assert off.choose() == off.probe_k  # one probe: the shared rate came from other prompts
+    off.observe(off.probe_k, 0, 0.0, simulated_verify_ms(off.probe_k + 1, 1), 1)
+    assert [off.choose() for _ in range(10)] == [0] * 10
     assert make_controller("auto", K_MAX, cm, excellent).choose() >= 6
     session = make_controller("auto", K_MAX, cm, useless)
     run_session(session, [0.0] * 20)
     assert useless.alpha < 0.05  # sessions feed the shared estimate back
+    good_prompt = make_controller("auto", K_MAX, cm, useless)  # this prompt copies its input
+    assert run_session(good_prompt, [0.95] * 16)[-1] >= 4
