@@ -60,14 +60,15 @@ class Service:
 
 
 def start_service(service: str, args: list[str], log_dir: Path, timeout: float = 180.0,
-                  metrics_port: int | None = None, tls: ClientTLS | None = None) -> Service:
+                  metrics_port: int | None = None, tls: ClientTLS | None = None, port: int | None = None) -> Service:
     """`metrics_port`: serve Prometheus metrics there (0: a free port; None: no endpoint).
-    `tls`: how to reach the service's health check when it serves TLS."""
+    `tls`: how to reach the service's health check when it serves TLS. `port`: the gRPC port
+    (default: a free one; give a stopped service's port to restart it where clients look)."""
     if metrics_port == 0:
         metrics_port = free_port()
     if metrics_port is not None:
         args = [*args, "--metrics-port", str(metrics_port)]
-    port = free_port()
+    port = port or free_port()
     log = log_dir / f"{service}-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "serve", service, "--port", str(port), *args],
