@@ -44,6 +44,9 @@ DEFAULT_HEALTH_INTERVAL_S = 1.0
 DEFAULT_HEALTH_TIMEOUT_S = 1.0
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+# gRPC waits up to 120 s between reconnection attempts by default: a replica back from an outage
+# (a restarted container at the same address) would stay unhealthy that long.
+MAX_RECONNECT_BACKOFF_MS = 5_000
 
 
 # --- pure logic ------------------------------------------------------------------------------
@@ -180,7 +183,7 @@ class Replica:
 
     @classmethod
     def connect(cls, address: str) -> "Replica":
-        return cls(address, make_channel(address))
+        return cls(address, make_channel(address, options=[("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]))
 
     @property
     def eligible(self) -> bool:
