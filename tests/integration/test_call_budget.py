@@ -81,4 +81,4 @@ def test_a_slow_draft_replica_costs_the_request_its_speculation_not_its_output(s
     # again: the backoff doubles), the last 2 go without; each slow step costs the budget, not 2 s.
     assert gen.faults == [("draft", "timeout")] * 2
     assert gen.stats.num_drafts == 0 and gen.stats.k_per_step == [0] * 11
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 3.0  # two slow steps at the replica's pace would take 4 s

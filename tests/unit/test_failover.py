@@ -20,11 +20,12 @@ from tests.fakes import FakeRpcError
 def test_watchdog_fires_late_alarms_only():
     dog = Watchdog()
     fired: list[str] = []
-    late = dog.arm(0.05, lambda: fired.append("late"))
+    done = threading.Event()
     kept = dog.arm(0.05, lambda: fired.append("disarmed"))
+    late = dog.arm(0.1, lambda: (fired.append("late"), done.set()))
     kept.disarm()
     early = dog.arm(0.01, lambda: fired.append("early"))
-    time.sleep(0.3)
+    assert done.wait(5)
     assert fired == ["early", "late"] and late.fired and early.fired and not kept.fired
 
 
