@@ -621,7 +621,13 @@ class DepthController:
         self._pending_side = self._pending_steps = 0
 
     def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int) -> None:
-        """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size."""
+        """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size.
+
+        A probe whose draft came back empty (an n-gram proposer with no match yet) taught nothing:
+        it is not judged, and the next step probes again."""
+        if self._probed and k == 0:
+            self._probed = False
+            self._idle_steps = self._interval
         self.estimator.update(k, num_accepted)
         if self.shared is not None and k > 0:
             self.shared.update(k, num_accepted)

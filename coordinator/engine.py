@@ -113,7 +113,7 @@ class StopChecker:
 class DepthPolicyLike(Protocol):
     """Per-request depth controllers and load signals (coordinator.depth.DepthPolicy)."""
 
-    def controller(self, target: TargetSessionLike) -> DepthController: ...
+    def controller(self, target: TargetSessionLike, method: str) -> DepthController: ...
     def load(self, target: TargetSessionLike) -> LoadSignal | None: ...
 
 
@@ -175,7 +175,7 @@ class SpeculativeEngine:
     def _loop(self, gen: Generation, session: TargetSessionLike, params: SamplingParams) -> Iterator[list[int]]:
         start = time.perf_counter()
         stopper = StopChecker(params, self.eos_token_ids, self.decode)
-        controller = self.depth.controller(session) if self.depth is not None else None
+        controller = self.depth.controller(session, self.proposer.name) if self.depth is not None else None  # type: ignore[union-attr]
 
         def fault(service: str, reason: str) -> None:
             gen.faults.append((service, reason))

@@ -82,7 +82,7 @@ def _check_depth(spec: str) -> None:
     """A depth spec the controller understands: "auto", an integer k, "schedule:B=K,...", ",floor=A"."""
     from coordinator.controller import make_controller  # pure policy module, no heavy imports
 
-    make_controller(spec, 32)
+    make_controller(str(spec), 32)
 
 
 @dataclass(frozen=True)

@@ -394,3 +394,12 @@ def test_new_sessions_start_from_the_shared_acceptance() -> None:
     assert useless.alpha < 0.05  # sessions feed the shared estimate back
     good_prompt = make_controller("auto", K_MAX, cm, useless)  # this prompt copies its input
     assert run_session(good_prompt, [0.95] * 16)[-1] >= 4
+
+
+def test_a_probe_that_drafted_nothing_is_repeated() -> None:
+    off = make_controller("auto", K_MAX, simulated_cost_model(), SharedAcceptance(alpha0=0.02))
+    assert off.choose() == off.probe_k
+    off.observe(0, 0, 0.0, 30.0, 1)  # the proposer had nothing to offer yet
+    assert off.choose() == off.probe_k
+    off.observe(off.probe_k, off.probe_k, 0.0, simulated_verify_ms(off.probe_k + 1, 1), 1)
+    assert off.choose() > 0  # the prompt's drafts are accepted: speculation comes on
