@@ -104,7 +104,9 @@ def test_first_three_tokens_match_target_distribution(method, k, temperature, to
     assert pvalue > 1e-3, f"speculative samples do not follow the target's distribution (p={pvalue:.2e})"
 
 
-PIPELINED_CASES = [("draft_model", 1, 1.0, 0, 1.0), ("draft_model", 2, 1.5, 3, 0.9), ("ngram", 1, 1.0, 0, 1.0)]
+# draft_model sends q (the case where the kept block's probability rows must shift with it);
+# one-hot drafts take the same path with q = None, covered by the greedy tests.
+PIPELINED_CASES = [("draft_model", 1, 1.0, 0, 1.0), ("draft_model", 2, 1.5, 3, 0.9)]
 
 
 @pytest.mark.parametrize("method,k,temperature,top_k,top_p", PIPELINED_CASES)
