@@ -166,10 +166,13 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
         best_name, best_value = best_fixed(c1, fixed)
         top_best_name, top_best = best_fixed(top, fixed)
         checks[kind] = {
-            f"c{levels[0]}_auto_vs_best_fixed ({best_name})": round(c1[AUTO] / best_value, 3) if best_value else None,
-            f"c{levels[-1]}_auto_vs_off": round(top[AUTO] / top[OFF], 3) if top[OFF] else None,
-            f"c{levels[-1]}_auto_vs_best_fixed ({top_best_name})": round(top[AUTO] / top_best, 3) if top_best else None,
-            f"c{levels[0]}_auto_vs_transformers_target_only": round(c1[AUTO] / _median(hf_tps[kind]), 3),
+            "low_best_fixed": best_name,
+            "low_auto_vs_best_fixed": round(c1[AUTO] / best_value, 3) if best_value else None,
+            "high_auto_vs_off": round(top[AUTO] / top[OFF], 3) if top[OFF] else None,
+            "high_best_fixed": top_best_name,
+            "high_auto_vs_best_fixed": round(top[AUTO] / top_best, 3) if top_best else None,
+            "low_auto_vs_transformers_target_only": round(c1[AUTO] / _median(hf_tps[kind]), 3),
+            "low_off_vs_transformers_target_only": round(c1[OFF] / _median(hf_tps[kind]), 3),
         }
     return {
         "tokens_per_s": cells, "latency_ms_p50": lat,
@@ -195,11 +198,19 @@ def render(report: dict) -> str:
             lat = report["latency_ms_p50"][kind][c]
             lines.append(f"| {kind} | {c} | " + " | ".join(f"{cell[n]:.1f} ({lat[n]:.0f})" for n in configs)
                          + f" | {report['auto_mean_k'][kind][c]:.2f} |")
-    lines += ["", "| kind | transformers target-only tok/s | " + " | ".join(next(iter(report["checks"].values()))) + " |",
-              "|---|---|" + "---|" * len(next(iter(report["checks"].values())))]
-    for kind, checks in report["checks"].items():
+    lo, hi = f"c{s['concurrency'][0]}", f"c{s['concurrency'][-1]}"
+    lines += ["", f"| kind | transformers target-only tok/s | {lo}: off vs transformers | {lo}: auto vs transformers | "
+                  f"{lo}: auto vs best fixed k | {hi}: auto vs off | {hi}: auto vs best fixed k |",
+              "|---|---|---|---|---|---|---|"]
+
+    def x(v: float | None) -> str:
+        return f"{v:.2f}x" if v is not None else "-"
+
+    for kind, c in report["checks"].items():
         lines.append(f"| {kind} | {report['transformers_target_only_tokens_per_s'][kind]:.1f} | "
-                     + " | ".join(f"{v:.2f}x" if v is not None else "-" for v in checks.values()) + " |")
+                     f"{x(c['low_off_vs_transformers_target_only'])} | {x(c['low_auto_vs_transformers_target_only'])} | "
+                     f"{x(c['low_auto_vs_best_fixed'])} ({c['low_best_fixed']}) | {x(c['high_auto_vs_off'])} | "
+                     f"{x(c['high_auto_vs_best_fixed'])} ({c['high_best_fixed']}) |")
     u = report["useless_draft_c1_tokens_per_s"]
     lines += ["", f"Useless draft (tiny random draft model, c1): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in u.items())
               + f"; auto vs off {report['useless_draft_auto_vs_off']}x"]
