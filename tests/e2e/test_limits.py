@@ -31,8 +31,9 @@ from specd.launcher import Service, free_port, start_service
 from specd.models import load_model
 from specd.sampling import SamplingParams
 from specd.tls import ClientTLS
-from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.v1 import target_pb2, target_pb2_grpc
 from tests.conftest import hf_greedy
+from tests.probes import wait_no_sessions
 from tests.integration.inprocess_stack import save_tiny_model
 
 TOKEN = "e2e-token"
@@ -59,15 +60,7 @@ class SecureStack:
         return CoordinatorClient(self.coordinator.address, token=token, tls=tls or self.tls)
 
     def open_sessions(self, within: float = 2.0) -> tuple[int, int]:
-        with make_channel(self.target.address, tls=self.tls) as t, make_channel(self.draft.address, tls=self.tls) as d:
-            target, draft = target_pb2_grpc.TargetServiceStub(t), draft_pb2_grpc.DraftServiceStub(d)
-            deadline = time.monotonic() + within
-            while True:
-                counts = (target.GetStats(target_pb2.GetStatsRequest(), timeout=5).open_sessions,
-                          draft.GetStats(draft_pb2.GetDraftStatsRequest(), timeout=5).open_sessions)
-                if counts == (0, 0) or time.monotonic() > deadline:
-                    return counts
-                time.sleep(0.05)
+        return wait_no_sessions(self.target.address, self.draft.address, within, tls=self.tls)
 
     def coordinator_in_flight(self) -> float:
         """Requests running or waiting on the coordinator, from its Prometheus endpoint."""

@@ -10,7 +10,6 @@ runs the same cases every time; raise FUZZ_EXAMPLES to search longer.
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -24,7 +23,8 @@ from hypothesis import strategies as st
 from coordinator.client import CoordinatorClient, build_request
 from specd.grpc_server import make_channel
 from specd.sampling import SamplingParams
-from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
+from tests.probes import wait_no_sessions
 from tests.integration.inprocess_stack import TINY_CONTEXT, save_tiny_model, start_inprocess_stack
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "50"))
@@ -267,12 +267,4 @@ def assert_healthy(stack) -> None:
 
 def open_sessions(stack, within: float) -> tuple[int, int]:
     """(target, draft) open sessions once both are zero, or when `within` seconds have passed."""
-    with make_channel(stack.address("target")) as t, make_channel(stack.address("draft")) as d:
-        target, draft = target_pb2_grpc.TargetServiceStub(t), draft_pb2_grpc.DraftServiceStub(d)
-        deadline = time.monotonic() + within
-        while True:
-            counts = (target.GetStats(target_pb2.GetStatsRequest(), timeout=5).open_sessions,
-                      draft.GetStats(draft_pb2.GetDraftStatsRequest(), timeout=5).open_sessions)
-            if counts == (0, 0) or time.monotonic() > deadline:
-                return counts
-            time.sleep(0.02)
+    return wait_no_sessions(stack.address("target"), stack.address("draft"), within, poll_s=0.02)

@@ -24,6 +24,7 @@ from specd.sampling import SamplingParams
 from specd.serve import start_coordinator, start_draft, start_target
 from specd.telemetry import setup_telemetry
 from specd.vocab import vocab_hash
+from tests.probes import metric_points
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 
 VOCAB = 64
@@ -87,15 +88,6 @@ def _open(services, method: int, target: common_pb2.ModelInfo) -> draft_pb2.Draf
         return next(draft_pb2_grpc.DraftServiceStub(ch).Session(iter([request]), timeout=10))
 
 
-def _points(reader: InMemoryMetricReader, name: str) -> list[tuple[dict, float]]:
-    out = []
-    data = reader.get_metrics_data()
-    for rm in data.resource_metrics if data else ():
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                if m.name == name:
-                    out.extend((dict(p.attributes), p.value) for p in m.data.data_points)
-    return out
 
 
 def test_the_two_models_really_have_other_vocabularies(services, folders):
@@ -139,10 +131,10 @@ def test_requests_complete_exactly_without_speculation(services, caplog):
     logged = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(logged) == 1 and "draft-v" in logged[0], logged
     reader = services["reader"]
-    refusals = {(a["specd.reason"], a["specd.method"]): v for a, v in _points(reader, "specd.coordinator.speculation.disabled")}
+    refusals = {(a["specd.reason"], a["specd.method"]): v for a, v in metric_points(reader, "specd.coordinator.speculation.disabled")}
     assert refusals[("vocab_mismatch", "draft_model")] >= 3  # the start-up check, then the two sessions
     states = {(a["specd.method"], a["specd.speculation"], a.get("specd.speculation.reason")): v
-              for a, v in _points(reader, "specd.coordinator.speculation.requests")}
+              for a, v in metric_points(reader, "specd.coordinator.speculation.requests")}
     assert states[("draft_model", "off", "incompatible_draft")] == 2
     assert states[("none", "off", "requested")] == 1
     assert states[("ngram", "on", None)] == 1

@@ -22,6 +22,7 @@ from coordinator.compat import (
 from specd.errors import FailedPrecondition
 from specd.telemetry import setup_telemetry
 from specd.vocab import check_vocab, vocab_hash, vocab_mismatch
+from tests.probes import metric_points
 from specdec.v1 import common_pb2
 
 
@@ -109,15 +110,6 @@ def test_no_draft_session_never_proposes():
     session.close()
 
 
-def _points(reader: InMemoryMetricReader, name: str) -> list[tuple[dict, float]]:
-    out = []
-    data = reader.get_metrics_data()
-    for rm in data.resource_metrics if data else ():
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                if m.name == name:
-                    out.extend((dict(p.attributes), p.value) for p in m.data.data_points)
-    return out
 
 
 def test_refusals_are_logged_once_counted_always_and_mark_the_request(caplog):
@@ -136,7 +128,7 @@ def test_refusals_are_logged_once_counted_always_and_mark_the_request(caplog):
         assert compat.refusals == 3
         logged = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
         assert len(logged) == 1 and "draft-b" in logged[0] and "target-a" in logged[0]
-        (attrs, value), = _points(reader, "specd.coordinator.speculation.disabled")
+        (attrs, value), = metric_points(reader, "specd.coordinator.speculation.disabled")
         assert value == 3
         assert attrs == {"gen_ai.request.model": "target-a", "specd.method": "draft_model",
                          "specd.draft.model": "draft-b", "specd.reason": "vocab_mismatch"}
@@ -155,7 +147,7 @@ def test_startup_check_logs_and_counts_each_incompatible_replica(caplog):
         assert [c.compatible for c in checks] == [True, False]
         assert any("a:2" in r.getMessage() and "bad" in r.getMessage() for r in caplog.records)
         assert not any("a:1" in r.getMessage() for r in caplog.records)
-        (attrs, value), = _points(reader, "specd.coordinator.speculation.disabled")
+        (attrs, value), = metric_points(reader, "specd.coordinator.speculation.disabled")
         assert value == 1 and attrs["specd.draft.model"] == "bad"
     finally:
         tel.shutdown()
