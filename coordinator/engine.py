@@ -211,9 +211,13 @@ class SpeculativeEngine:
                     if predrafted is not None:
                         proposal = _truncate(predrafted, k)
                     else:
+                        opening = getattr(draft, "session", True) is None
                         t = time.perf_counter()
                         proposal = draft.propose(context, k, step)
-                        draft_s = time.perf_counter() - t
+                        # A call that opened the draft session (a new stream, the draft's prefill)
+                        # is not a drafting cost per step: NaN keeps it out of the cost model, where
+                        # it would price every later k as if it reopened a session.
+                        draft_s = float("nan") if opening else time.perf_counter() - t
                 elif draft is not None and wanted == 0:  # speculation is off for now: free the draft's state
                     draft.close()
                 predrafted = None

@@ -1,0 +1,70 @@
+"""The load generator's pure parts: arrivals, percentiles, per-request latencies, the summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.bench_load import best_fixed
+from coordinator.loadgen import SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_are_seeded() -> None:
+    times = poisson_arrivals(5.0, 200.0, seed=1)
+    assert times == sorted(times) and all(0 <= t < 200 for t in times)
+    assert len(times) == pytest.approx(1000, rel=0.1)
+    assert times == poisson_arrivals(5.0, 200.0, seed=1) != poisson_arrivals(5.0, 200.0, seed=2)
+    assert poisson_arrivals(0.0, 10.0) == []
+
+
+def test_a_rate_that_rises_and_falls_is_followed() -> None:
+    rate = step_rate([(0.0, 1.0), (100.0, 10.0), (200.0, 1.0)])
+    assert (rate(50), rate(150), rate(250)) == (1.0, 10.0, 1.0)
+    times = poisson_arrivals(rate, 300.0, seed=3)
+    middle = sum(1 for t in times if 100 <= t < 200)
+    edges = len(times) - middle
+    assert middle == pytest.approx(1000, rel=0.1) and edges == pytest.approx(200, rel=0.25)
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+def _record(sent: float, chunks: list[tuple[float, int]], k_per_step: list[int], drafted: int = 0,
+            accepted: int = 0) -> RequestRecord:
+    r = RequestRecord("p", "kind", sent)
+    r.first_token = chunks[0][0]
+    r.chunk_times = [t for t, _ in chunks]
+    r.chunk_tokens = [n for _, n in chunks]
+    r.done = chunks[-1][0]
+    r.tokens = sum(n for _, n in chunks)
+    r.k_per_step, r.num_draft_tokens, r.num_accepted_tokens = k_per_step, drafted, accepted
+    return r
+
+
+def test_inter_token_latency_spreads_a_chunk_over_its_tokens() -> None:
+    r = _record(0.0, [(0.5, 1), (0.9, 4)], [4])
+    assert r.ttft == 0.5 and r.latency == 0.9
+    assert r.inter_token_latencies() == pytest.approx([0.1] * 4)
+
+
+def test_summary_counts_goodput_errors_and_acceptance() -> None:
+    fast = _record(0.0, [(0.2, 1), (0.3, 1), (0.4, 2)], [0, 2], drafted=2, accepted=1)
+    slow = _record(0.0, [(3.0, 1), (3.1, 1)], [0])  # misses the 2 s TTFT bound
+    failed = RequestRecord("p", "kind", 0.0, error="UNAVAILABLE: gone")
+    s = summarize([fast, slow, failed], wall_s=4.0, slo=SLO(ttft_s=2.0, itl_p99_s=0.5))
+    assert (s["requests"], s["completed"], s["errors"]) == (3, 2, 1)
+    assert s["tokens_per_s"] == pytest.approx(6 / 4) and s["goodput_tokens_per_s"] == pytest.approx(4 / 4)
+    assert s["goodput_requests"] == 1 and s["acceptance_rate"] == 0.5
+    assert s["mean_k"] == pytest.approx(2 / 3, abs=1e-3)  # rounded to 3 places
+
+
+def test_k_over_time_bins_steps_between_first_token_and_end() -> None:
+    early = _record(0.0, [(0.0, 1), (2.0, 1)], [4, 4])  # steps at 0.5 s and 1.5 s
+    late = _record(0.0, [(4.0, 1), (6.0, 1)], [0, 2])  # steps at 4.5 s and 5.5 s
+    assert k_over_time([early, late], bin_s=2.0) == [(0.0, 4.0, 2), (4.0, 1.0, 2)]
+
+
+def test_best_fixed_picks_the_fastest_fixed_k() -> None:
+    assert best_fixed({"off": 30.0, "k2": 10.0, "k4": 20.0, "k8": 15.0, "auto": 50.0}, [2, 4, 8]) == ("k4", 20.0)
