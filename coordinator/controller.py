@@ -256,6 +256,10 @@ class _Mean:
 
 
 OUTLIER_FACTOR = 3.0
+# Draft cost cells follow fast: a draft call's wall time swings with what shares the cores (a
+# batched verify pass), and a session at k = 0 makes no draft calls, so samples are few and an
+# estimate inflated under load must not outlive the load.
+DRAFT_WINDOW = 8.0
 
 
 def _clip(x: float, cell: _Mean) -> float:
@@ -335,7 +339,7 @@ class CostModel:
         if k >= 1 and ms >= 0:
             with self._lock:
                 cell = self._draft.setdefault(k, _Mean())
-                cell.add(_clip(ms, cell), self.window)
+                cell.add(_clip(ms, cell), DRAFT_WINDOW)
 
     def verify_table(self) -> list[tuple[int, int, int, float]]:
         """The observed verify cells as (batch_size, block_length, count, mean_ms) rows."""

@@ -211,13 +211,11 @@ class SpeculativeEngine:
                     if predrafted is not None:
                         proposal = _truncate(predrafted, k)
                     else:
-                        opening = getattr(draft, "session", True) is None
                         t = time.perf_counter()
                         proposal = draft.propose(context, k, step)
-                        # A call that opened the draft session (a new stream, the draft's prefill)
-                        # is not a drafting cost per step: NaN keeps it out of the cost model, where
-                        # it would price every later k as if it reopened a session.
-                        draft_s = float("nan") if opening else time.perf_counter() - t
+                        # Opening the draft session (a new stream, the draft's prefill) is not a
+                        # cost per step: counted in, it priced every later k as if it reopened one.
+                        draft_s = time.perf_counter() - t - draft.open_s
                 elif draft is not None and wanted == 0:  # speculation is off for now: free the draft's state
                     draft.close()
                 predrafted = None

@@ -24,6 +24,7 @@ its tokens after the failover differ from an undisturbed run with the same seed.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 import grpc
@@ -192,18 +193,22 @@ class DraftLink:
         self.retry_at = 0  # the first step at which a new session may be opened
         self.backoff = DRAFT_BACKOFF_STEPS
         self.failures = 0
+        self.open_s = 0.0  # of the last propose call: the part spent opening the session
 
     def propose(self, context: Callable[[], list[int]], k: int, step: int) -> Proposal:
         """k tokens from the draft, opening its session (on `context()`) when needed; an empty
         proposal while the draft is down or backing off."""
+        self.open_s = 0.0
         if self.session is None:
             if step < self.retry_at:
                 return Proposal()
+            start = time.perf_counter()
             try:
                 self.session = self.proposer.open_session(context(), self.params)
             except Exception as exc:
                 self._fail(exc, step)
                 return Proposal()
+            self.open_s = time.perf_counter() - start
         try:
             proposal = self.session.propose(k)
         except Exception as exc:
