@@ -22,6 +22,7 @@ from coordinator.compat import (
 from specd.errors import FailedPrecondition
 from specd.telemetry import setup_telemetry
 from specd.vocab import check_vocab, vocab_hash, vocab_mismatch
+from tests.fakes import FakeRpcError
 from tests.probes import metric_points
 from specdec.v1 import common_pb2
 
@@ -83,17 +84,6 @@ def test_check_draft_infos():
     assert [c.compatible for c in checks] == [True, False, True, True]
     assert checks[1].draft_model == "bad" and "bad" in checks[1].message and "target" in checks[1].message
     assert checks[2].draft_model == "" and checks[3].draft_model == ""
-
-
-class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str = ""):
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 def test_is_refusal():
