@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
@@ -301,9 +301,7 @@ class RemoteDraftSession:
         if tel is not None and tel.metrics:
             tel.record_draft(k, wall)
         self._appended = []
-        tokens = list(block.token_ids)
-        probs = probs_from_proto(block.probs, len(tokens), block.probs.vocab_size) if tokens else None
-        return Proposal(tokens, probs)
+        return _proposal(block)
 
     def start_ahead(self, assumed: Sequence[int], k: int) -> "_PendingBlock":
         """Pipelined drafting: send the step now (with the buffered feedback and the block being
@@ -323,9 +321,7 @@ class RemoteDraftSession:
         self.times.draft_ms += block.draft_ms  # its wall time overlapped the verify call: not counted as RPC overhead
         if self.telemetry is not None and self.telemetry.metrics:
             self.telemetry.record_draft(k, wall)
-        tokens = list(block.token_ids)
-        probs = probs_from_proto(block.probs, len(tokens), block.probs.vocab_size) if tokens else None
-        return Proposal(tokens, probs)
+        return _proposal(block)
 
     def append(self, tokens: Sequence[int]) -> None:
         self._appended.extend(tokens)
@@ -339,6 +335,13 @@ class RemoteDraftSession:
         """The session failed (the engine goes on without it): close it, have the pool re-check the replica."""
         self.close()
         self.pool.report_failure(self.replica)
+
+
+def _proposal(block: draft_pb2.DraftBlock) -> Proposal:
+    """A DraftBlock as the engine's Proposal (q rows decoded when the draft sent them)."""
+    tokens = list(block.token_ids)
+    probs = probs_from_proto(block.probs, len(tokens), block.probs.vocab_size) if tokens else None
+    return Proposal(tokens, probs)
 
 
 class _PendingBlock:
