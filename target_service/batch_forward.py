@@ -17,6 +17,25 @@ from specd.models import LoadedModel
 from target_service.kv_pool import BatchCacheView, KVPool, KVShape
 
 
+# CPU matrix kernels run a linear layer on 2 to 4 token rows slower than on 5 to 8 (torch 2.13,
+# 2 cores, SmolLM2-135M: a verify pass of 3 tokens 109 ms, of 4 83 ms, of 5 72 ms, of 1 58 ms;
+# docs/benchmarks.md, "Small CPU blocks"). A pass with 2 to 4 rows in all is padded to 5.
+MIN_FAST_ROWS = 5
+
+
+def fast_block_length(batch: int, n_new: int, room: int, min_rows: int = MIN_FAST_ROWS) -> int:
+    """The block length to run: n_new, or more when batch * n_new is 2 .. min_rows - 1 and the
+    extra positions fit in `room` (context positions left after the longest row's cache).
+
+    Padding positions come after every real token, so causal attention keeps them out of the real
+    rows' results; their KV writes land past each row's length, where stale rows already live."""
+    rows = batch * n_new
+    if rows <= 1 or rows >= min_rows:
+        return n_new
+    padded = -(-min_rows // batch)
+    return padded if padded <= room else n_new
+
+
 @dataclass
 class RowInput:
     slot: int  # the session's KV-pool row
@@ -42,8 +61,17 @@ class BatchedForward:
 
     def run(self, rows: list[RowInput], keep_last: int = 0) -> list[torch.Tensor]:
         """Logits [len(row.tokens), vocab] (or only the last keep_last) per row, in float32."""
+        return self.run_with_features(rows, keep_last, features=False)[0]
+
+    def run_with_features(self, rows: list[RowInput], keep_last: int = 0,
+                          features: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """`run`, plus each row's final hidden states [len(row.tokens), hidden] (after the final
+        norm: what the LM head reads) when `features` is set, for draft heads. With features the
+        decoder and the LM head run as two calls, the same operations the causal LM runs."""
         device = self.model.device
         n_new = max(len(r.tokens) for r in rows)
+        if device.type == "cpu" and not keep_last:  # a prefill keeps the last position: never padded
+            n_new = fast_block_length(len(rows), n_new, self.model.max_context - max(r.start for r in rows))
         kv_length = max(r.start for r in rows) + n_new
         self.pool.ensure_capacity(kv_length)
         input_ids = torch.zeros(len(rows), n_new, dtype=torch.long)
@@ -53,16 +81,19 @@ class BatchedForward:
         positions = (starts[:, None] + torch.arange(n_new)[None, :]).clamp(max=self.model.max_context - 1)
         mask = attention_mask(starts, n_new, kv_length)
         view = BatchCacheView(self.pool, [r.slot for r in rows], [r.start for r in rows], kv_length)
+        inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                      cache=view, use_cache=True)
+        keep = keep_last if len(rows) == 1 else 0
+        hidden = None
         with torch.inference_mode():
-            out = self.model.model(
-                input_ids=input_ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=positions.to(device),
-                cache=view,
-                use_cache=True,
-                logits_to_keep=keep_last if len(rows) == 1 else 0,
-            )
-            logits = out.logits.float()
+            if features:
+                model = self.model.model
+                hidden = model.get_decoder()(**inputs).last_hidden_state
+                logits = model.get_output_embeddings()(hidden[:, -keep:] if keep else hidden).float()
+            else:
+                logits = self.model.model(**inputs, logits_to_keep=keep).logits.float()
+        feats = None if hidden is None else [hidden[b, : len(r.tokens)].float() for b, r in enumerate(rows)]
         if len(rows) == 1:
-            return [logits[0]]
-        return [logits[b, : len(r.tokens)][-keep_last:] if keep_last else logits[b, : len(r.tokens)] for b, r in enumerate(rows)]
+            return [logits[0, : len(rows[0].tokens)]], feats
+        return ([logits[b, : len(r.tokens)][-keep_last:] if keep_last else logits[b, : len(r.tokens)]
+                 for b, r in enumerate(rows)], feats)

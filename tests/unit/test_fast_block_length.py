@@ -1,0 +1,23 @@
+"""Verify passes of 2 to 4 token rows are padded to 5 on CPU (target_service/batch_forward.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from target_service.batch_forward import fast_block_length
+
+
+@pytest.mark.parametrize("batch,n_new,expected", [
+    (1, 1, 1),  # plain decoding: one row is the fast matrix-vector path
+    (1, 2, 5), (1, 3, 5), (1, 4, 5),  # k = 1..3 run as 5 rows
+    (1, 5, 5), (1, 9, 9),  # already fast
+    (2, 1, 3), (2, 2, 3),  # two sessions: 6 rows in all
+    (3, 1, 2), (5, 1, 1),
+])
+def test_padding_reaches_the_fast_row_count(batch, n_new, expected):
+    assert fast_block_length(batch, n_new, room=100) == expected
+
+
+def test_no_padding_past_the_context():
+    assert fast_block_length(1, 3, room=4) == 3
+    assert fast_block_length(1, 3, room=5) == 5
