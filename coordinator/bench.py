@@ -34,7 +34,7 @@ HF_PROMPT_LOOKUP = "hf_prompt_lookup"
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, help="prompts.jsonl (default: ../shared/workloads/prompts.jsonl)")
-    p.add_argument("--methods", default="none,ngram,suffix", help="comma list of none,ngram,suffix,draft_model")
+    p.add_argument("--methods", default="none,ngram,suffix", help="comma list of none,ngram,suffix,draft_model,head")
     p.add_argument("--k", default="8", help="draft depth; a comma list benchmarks each (e.g. 2,4,8)")
     p.add_argument("--baselines", default=f"{HF_TARGET},{HF_PROMPT_LOOKUP}", help="comma list; empty for none")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
@@ -43,6 +43,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="cap every prompt's max_tokens")
     p.add_argument("--target-model", default=None)
     p.add_argument("--draft-model", default=None, help="for draft_model: folder, hub id, .gguf or 'target'")
+    p.add_argument("--head", default=None, metavar="DIR", help="for head: a trained head (default: the shipped one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.md")
@@ -110,14 +111,20 @@ def specd_system(name: str, engine: SpeculativeEngine, make_proposer_fn: Callabl
 def build_systems(args: argparse.Namespace, target: LoadedModel) -> list[System]:
     baselines = [b for b in args.baselines.split(",") if b]
     systems = hf_systems(target, baselines, args.prompt_lookup_tokens)
-    draft = None
+    draft = head = None
     ks = [int(k) for k in str(args.k).split(",")]
     verifier = TargetModel(target)
     for method in [m for m in args.methods.split(",") if m]:
         if method == "draft_model" and draft is None:
             draft = target if args.draft_model in (None, "target") else load_model(args.draft_model, args.device, args.dtype)
+        if method == "head" and head is None:
+            from draft_service.head.checkpoint import default_head_dir, load_head
+            from specd.vocab import vocab_hash
+
+            head = load_head(getattr(args, "head", None) or default_head_dir(args.target_model), target.model,
+                             vocab_hash(target.tokenizer, target.vocab_size))
         for k in ([0] if method == "none" else ks):
-            fresh = (lambda m=method: make_proposer(m, draft))
+            fresh = (lambda m=method: make_proposer(m, draft, head=head, max_context=target.max_context))
             engine = SpeculativeEngine(verifier, fresh(), k=k, eos_token_ids=target.eos_token_ids)
             systems.append(specd_system(f"specd_{method}" + (f"_k{k}" if method != "none" else ""), engine, fresh))
     return systems

@@ -22,6 +22,7 @@ class EngineOptions:
     dtype: str | None = None
     k_max: int = 8
     pipeline: bool = False
+    head: str | None = None  # method head: a trained head's directory (None: the one shipped for the target)
 
 
 def load_draft(spec: str | None, target: LoadedModel, device: str, dtype: str | None) -> LoadedModel | None:
@@ -39,7 +40,13 @@ def build_engine(opts: EngineOptions, target: LoadedModel | None = None) -> tupl
     if draft is not None and draft is not target:  # refuse a draft with another vocabulary (FailedPrecondition)
         check_vocab(target.name, vocab_hash(target.tokenizer, target.vocab_size),
                     draft.name, vocab_hash(draft.tokenizer, draft.vocab_size))
-    proposer = make_proposer(opts.method, draft)
+    head = None
+    if opts.method == "head":
+        from draft_service.head.checkpoint import default_head_dir, load_head
+
+        head = load_head(opts.head or default_head_dir(opts.target_model), target.model,
+                         vocab_hash(target.tokenizer, target.vocab_size))
+    proposer = make_proposer(opts.method, draft, head=head, max_context=target.max_context)
     k, policy = depth_options(opts.k, opts.k_max)
     engine = SpeculativeEngine(
         TargetModel(target),

@@ -130,6 +130,14 @@ def use_predrafted(accepted_whole: bool, target_token: int, block: Proposal) -> 
     return Proposal(block.tokens[1:], probs)
 
 
+def _pass_features(target: TargetLink, draft: DraftLink | None, step: int) -> None:
+    """Hand the features the target just kept to a draft that reads them (method head)."""
+    if draft is not None and draft.features is not None:
+        new = target.new_features()
+        if new is not None:
+            draft.add_features(*new, step)
+
+
 def _truncate(proposal: Proposal, k: int) -> Proposal:
     if len(proposal.tokens) <= k:
         return proposal
@@ -182,13 +190,15 @@ class SpeculativeEngine:
             if self.on_fault is not None:
                 self.on_fault(service, reason)
 
-        target = TargetLink(self.verifier, session, gen.prompt_ids, params, fault)
         draft = DraftLink(self.proposer, params, fault) if self.proposer is not None else None
+        target = TargetLink(self.verifier, session, gen.prompt_ids, params, fault,
+                            want_features=draft is not None and draft.features is not None)
         context = lambda: gen.prompt_ids + gen.token_ids  # noqa: E731  (the draft session opens on it)
         predrafted: Proposal | None = None  # the next block, drafted during the last verify
         step = 0
         try:
             first = target.prefill(gen.token_ids)
+            _pass_features(target, draft, step)
             gen.stats.target_forward_passes += 1
             gen.time_to_first_token = time.perf_counter() - start
             out, gen.finish_reason = stopper.accept(gen.token_ids, [first])
@@ -225,6 +235,7 @@ class SpeculativeEngine:
                 t = time.perf_counter()
                 outcome = target.verify(proposal, gen.token_ids)
                 verify_s = time.perf_counter() - t
+                _pass_features(target, draft, step)
                 if ahead is not None:
                     t = time.perf_counter()
                     block = draft.finish_ahead(ahead, step)  # type: ignore[union-attr]

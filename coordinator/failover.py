@@ -31,6 +31,7 @@ import grpc
 
 from draft_service.proposers.base import DraftSession, Proposal, Proposer
 from specd.errors import CallTimeout, NotFound, Unavailable
+from specd.features import FeatureLog
 from specd.sampling import SamplingParams
 from target_service.rejection_sampler import VerifyOutcome
 
@@ -127,8 +128,13 @@ class TargetLink:
     """A request's target session, moved to another replica when its replica fails."""
 
     def __init__(self, verifier: VerifierLike, session: TargetSessionLike, prompt_ids: Sequence[int],
-                 params: SamplingParams, on_fault: FaultHook, max_reopens: int = MAX_TARGET_REOPENS):
+                 params: SamplingParams, on_fault: FaultHook, max_reopens: int = MAX_TARGET_REOPENS,
+                 want_features: bool = False):
+        """want_features: sessions send the target's features (for a draft head), re-opened ones too."""
         self.verifier = verifier
+        self.want_features = want_features
+        if want_features:
+            session.want_features = True  # type: ignore[attr-defined]
         self.session = session
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -166,6 +172,8 @@ class TargetLink:
                         "(%d/%d)", where, describe(exc), len(generated), self.reopens, self.max_reopens)
             try:
                 self.session = self.verifier.open_session(self.prompt_ids + list(generated), self.params)
+                if self.want_features:
+                    self.session.want_features = True  # type: ignore[attr-defined]
             except Unavailable as none_left:
                 raise Unavailable(f"target replica{where} failed ({describe(exc)}) after {len(generated)} tokens "
                                   f"and no other target replica can take the request over: {none_left}") from exc
@@ -175,6 +183,10 @@ class TargetLink:
                 if not is_target_failure(again):
                     raise
                 exc = again
+
+    def new_features(self) -> tuple[int, Any] | None:
+        """(first position, rows) of the features the last prefill or verify kept, when sent."""
+        return getattr(self.session, "new_features", None) if self.want_features else None
 
     def close(self) -> None:
         self.session.close()
@@ -187,6 +199,9 @@ class DraftLink:
 
     def __init__(self, proposer: Proposer, params: SamplingParams, on_fault: FaultHook):
         self.proposer = proposer
+        # A draft head reads the target's features: the link keeps them all, so a session opened
+        # (or re-opened) late gets every position's, then each step's new ones.
+        self.features = FeatureLog() if getattr(proposer, "needs_features", False) else None
         self.params = params
         self.on_fault = on_fault
         self.session: DraftSession | None = None
@@ -205,6 +220,8 @@ class DraftLink:
             start = time.perf_counter()
             try:
                 self.session = self.proposer.open_session(context(), self.params)
+                if self.features is not None and self.features.length:
+                    self.session.add_features(0, self.features.rows())  # type: ignore[attr-defined]
             except Exception as exc:
                 self._fail(exc, step)
                 return Proposal()
@@ -237,6 +254,18 @@ class DraftLink:
             if self.session is not None:
                 self._fail(exc, step)
             return None
+
+    def add_features(self, start: int, rows: Any, step: int) -> None:
+        """The target's features of positions start ..; kept, and passed on to the open session."""
+        if self.features is None:
+            return
+        self.features.add(start, rows)
+        if self.session is None:
+            return
+        try:
+            self.session.add_features(start, rows)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._fail(exc, step)
 
     def append(self, tokens: Sequence[int], step: int) -> None:
         if self.session is None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
+import torch
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
@@ -21,6 +22,7 @@ from coordinator.compat import DraftCompat, NoDraftSession, is_refusal
 from coordinator.watchdog import WATCHDOG
 from draft_service.proposers.base import Proposal
 from specd.errors import CallTimeout
+from specd.features import features_from_proto, features_to_proto
 from specd.sampling import SamplingParams
 from specd.telemetry import Telemetry, inject_into
 from specd.wire import METHOD_TO_PROTO, probs_from_proto, probs_to_proto, sampling_to_proto
@@ -172,6 +174,8 @@ class RemoteTargetSession:
         self.step_timeout = step_timeout
         self.session_id = ""
         self._room = 0
+        self.want_features = False  # set before prefill: the target then sends its features (method head)
+        self.new_features: tuple[int, Any] | None = None
         stub = target_pb2_grpc.TargetServiceStub(self.replica.channel)
         self.stream = LockstepStream(stub.Session, timeout)
 
@@ -181,7 +185,8 @@ class RemoteTargetSession:
 
     def prefill(self) -> int:
         request = target_pb2.TargetRequest(open=target_pb2.OpenTargetSession(
-            prompt_token_ids=self.prompt_ids, params=sampling_to_proto(self.params), request_id=self.request_id))
+            prompt_token_ids=self.prompt_ids, params=sampling_to_proto(self.params), request_id=self.request_id,
+            return_features=self.want_features))
         if self.telemetry is None or not self.telemetry.tracing:
             opened = self.stream.call(request, self.step_timeout).opened
         else:
@@ -192,6 +197,7 @@ class RemoteTargetSession:
                                      "specd.queue_ms": opened.queue_ms})
         self.session_id = opened.session_id
         self._room = opened.context_room
+        self.new_features = features_from_proto(opened.features) if opened.HasField("features") else None
         return opened.first_token_id
 
     def verify(self, proposal: Proposal) -> VerifyOutcome:
@@ -218,6 +224,7 @@ class RemoteTargetSession:
         if tel is not None and tel.metrics:
             tel.record_verify(len(proposal.tokens), reply.num_accepted, wall)
         self._room = reply.context_room
+        self.new_features = features_from_proto(reply.features) if reply.HasField("features") else None
         return RemoteVerifyOutcome(num_accepted=reply.num_accepted, tokens=list(reply.token_ids),
                                    batch_size=max(int(reply.batch_size), 1))
 
@@ -266,6 +273,7 @@ class RemoteDraftSession:
         self.telemetry = telemetry
         self.budget = budget
         self._appended: list[int] = []
+        self._features: tuple[int, Any] | None = None  # target features not sent yet (method head)
         stub = draft_pb2_grpc.DraftServiceStub(self.replica.channel)
         self.stream = LockstepStream(stub.Session, timeout)
         request = draft_pb2.DraftRequest(open=draft_pb2.OpenDraftSession(
@@ -282,15 +290,31 @@ class RemoteDraftSession:
             self.close()
             raise
 
+    def _step(self, k: int, assumed: Sequence[int] = ()) -> draft_pb2.DraftRequest:
+        """The next step's message: the buffered feedback (tokens, features) and what to draft."""
+        step = draft_pb2.DraftStep(appended_token_ids=self._appended, k=k, assumed_token_ids=list(assumed))
+        if self._features is not None:
+            step.target_features.CopyFrom(features_to_proto(*self._features))
+        self._appended, self._features = [], None
+        return draft_pb2.DraftRequest(step=step)
+
+    def add_features(self, start: int, rows: Any) -> None:
+        """Buffered like the tokens: a new start 0 replaces, a continuation is joined on."""
+        if self._features is not None and start and start == self._features[0] + self._features[1].shape[0]:
+            self._features = (self._features[0], torch.cat([self._features[1], rows]))
+        else:
+            self._features = (start, rows)
+
     def propose(self, k: int) -> Proposal:
-        request = draft_pb2.DraftRequest(step=draft_pb2.DraftStep(appended_token_ids=self._appended, k=k))
+        appended = len(self._appended)
+        request = self._step(k)
         tel = self.telemetry
         start = time.perf_counter()
         if tel is None or not tel.tracing:
             block = self.stream.call(request, self.budget)
         else:
             tel.k = k
-            with tel.span("draft", {"specd.k": k, "specd.appended_tokens": len(self._appended)}) as span:
+            with tel.span("draft", {"specd.k": k, "specd.appended_tokens": appended}) as span:
                 inject_into(span, request.trace_context)
                 block = self.stream.call(request, self.budget)
                 span.set_attributes({"specd.draft_tokens": len(block.token_ids), "specd.draft_ms": block.draft_ms,
@@ -300,18 +324,15 @@ class RemoteDraftSession:
         self.times.draft_ms += block.draft_ms
         if tel is not None and tel.metrics:
             tel.record_draft(k, wall)
-        self._appended = []
         return _proposal(block)
 
     def start_ahead(self, assumed: Sequence[int], k: int) -> "_PendingBlock":
         """Pipelined drafting: send the step now (with the buffered feedback and the block being
         verified as `assumed_token_ids`); the engine reads the block after its verify call."""
-        request = draft_pb2.DraftRequest(step=draft_pb2.DraftStep(
-            appended_token_ids=self._appended, k=k, assumed_token_ids=list(assumed)))
+        request = self._step(k, assumed)
         tel = self.telemetry
         if tel is not None and tel.tracing and tel.parent is not None:
             inject_into(tel.parent, request.trace_context)
-        self._appended = []
         self.stream.send(request)
         return _PendingBlock(self, k, time.perf_counter())
 
@@ -364,6 +385,7 @@ class RemoteProposer:
                  budget: float | None = None):
         self.pool = pool
         self.name = method
+        self.needs_features = method == "head"  # the engine then has the target send its features
         self.compat = compat
         self.request_id = request_id
         self.deadline = time.monotonic() + timeout if timeout is not None else None

@@ -11,8 +11,10 @@ from typing import Iterator, Sequence
 import grpc
 
 from draft_service.proposers import METHODS, Proposer, make_proposer
+from draft_service.head.checkpoint import LoadedHead
 from draft_service.proposers.base import DraftSession
 from specd.errors import FailedPrecondition, InvalidArgument
+from specd.features import features_from_proto
 from specd.grpc_server import grpc_errors
 from specd.models import LoadedModel
 from specd.telemetry import Telemetry, noop_telemetry
@@ -30,15 +32,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Serves every model-free method, plus draft_model when a draft model is loaded."""
 
     def __init__(self, default_method: str = "ngram", draft_model: LoadedModel | None = None, info: common_pb2.ModelInfo | None = None,
-                 telemetry: Telemetry | None = None):
+                 telemetry: Telemetry | None = None, head: LoadedHead | None = None, max_context: int = 0):
+        """head: a trained draft head bound to its target's embedding and LM head (method head);
+        max_context: that target's context."""
         if default_method not in METHODS or default_method == "none":
-            raise ValueError(f"draft method must be one of ngram, suffix, draft_model; got {default_method!r}")
+            raise ValueError(f"draft method must be one of ngram, suffix, draft_model, head; got {default_method!r}")
         if default_method == "draft_model" and draft_model is None:
             raise ValueError("method draft_model needs --model (the draft model)")
+        if default_method == "head" and head is None:
+            raise ValueError("method head needs a trained head (--head DIR, made by specd train-draft)")
         self.default_method = default_method
         self.proposers: dict[str, Proposer] = {m: make_proposer(m) for m in ("ngram", "suffix")}  # type: ignore[misc]
         if draft_model is not None:
             self.proposers["draft_model"] = make_proposer("draft_model", draft_model)  # type: ignore[assignment]
+        self.head = head
+        if head is not None:
+            self.proposers["head"] = make_proposer("head", head=head, max_context=max_context)  # type: ignore[assignment]
         if info is None:  # sessions of draft_model are checked against its vocab_hash
             info = model_info_of(draft_model) if draft_model is not None else common_pb2.ModelInfo(name="model-free")
         self.info = info
@@ -54,6 +63,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._method_attrs: dict[str, dict[str, str]] = {m: {"specd.method": m} for m in self.proposers}
         if draft_model is not None:
             self._method_attrs["draft_model"]["specd.draft.model"] = draft_model.name
+        if head is not None:
+            self._method_attrs["head"]["specd.draft.model"] = str(head.meta.get("name", "head"))
 
     @grpc_errors
     def GetModelInfo(self, request, context) -> common_pb2.ModelInfo:
@@ -124,11 +135,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._check_ids("prompt_token_ids", msg.prompt_token_ids, method)
         if method == "draft_model":  # model-free methods draft the target's own ids: always compatible
             check_vocab(msg.target_model, msg.target_vocab_hash, self.info.name, self.info.vocab_hash)
+        if method == "head" and self.head is not None:  # a head drafts from (and for) the target it was trained on
+            check_vocab(msg.target_model, msg.target_vocab_hash, f"the draft head for {self.head.meta.get('target_model')}",
+                        str(self.head.meta.get("target_vocab_hash", "")))
         return self.proposers[method].open_session(list(msg.prompt_token_ids), sampling_from_proto(msg.params))
 
     def _check_ids(self, field: str, ids: Sequence[int], method: str) -> None:
         """A draft model's ids must index its vocabulary; model-free methods take any id."""
         vocab = self.info.vocab_size if method == "draft_model" else 0
+        if method == "head" and self.head is not None:
+            vocab = self.head.vocab_size
         if vocab and any(t >= vocab for t in ids):
             raise InvalidArgument(field, f"token id {max(ids)} is outside the draft model's vocabulary (0..{vocab - 1})")
 
@@ -137,6 +153,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise InvalidArgument("k", f"at most {MAX_K} draft tokens per step, got {step.k}")
         self._check_ids("appended_token_ids", step.appended_token_ids, method)
         start = time.perf_counter()
+        if step.HasField("target_features"):
+            self._add_features(session, step.target_features)
         if step.appended_token_ids:
             session.append(list(step.appended_token_ids))
         block = draft_pb2.DraftBlock(session_id=session_id)
@@ -159,6 +177,21 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 m.tokens.add(len(block.token_ids), attrs)
                 m.duration.record(block.draft_ms / 1000, attrs)
         return block
+
+
+    def _add_features(self, session: DraftSession, msg) -> None:
+        """The target's features, for sessions that read them (method head); others ignore them."""
+        add = getattr(session, "add_features", None)
+        if add is None:
+            return
+        start, rows = features_from_proto(msg)
+        width = self.head.head.config.hidden_size if self.head is not None else rows.shape[1]
+        if rows.shape[1] != width:
+            raise InvalidArgument("target_features", f"rows of {rows.shape[1]} values; this head reads {width}")
+        try:
+            add(start, rows)
+        except ValueError as exc:
+            raise InvalidArgument("target_features", str(exc)) from exc
 
 
 def register(servicer: DraftServicer):

@@ -15,9 +15,11 @@ from specd.errors import FailedPrecondition, InvalidArgument
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default=None, help="hub id, local folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default=None, choices=["none", "ngram", "suffix", "draft_model"],
+    p.add_argument("--method", default=None, choices=["none", "ngram", "suffix", "draft_model", "head"],
                    help="drafting method (default: ngram embedded; the coordinator's with --address)")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft_model: hub id, folder, .gguf, or 'target'")
+    p.add_argument("--head", default=None, metavar="DIR",
+                   help="draft head for --method head, made by specd train-draft (default: the one shipped for the target)")
     p.add_argument("--k", default=None, metavar="auto|K|schedule:B=K,...",
                    help="draft depth: auto (the adaptive controller), a fixed k, or a schedule by batch size "
                         "(default: auto; the coordinator's with --address)")
@@ -62,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50050, help="coordinator port")
     up.add_argument("--target-port", type=int, default=50052)
     up.add_argument("--draft-port", type=int, default=50051)
-    up.add_argument("--method", default="ngram", choices=["none", "ngram", "suffix"])
+    up.add_argument("--method", default="ngram", choices=["none", "ngram", "suffix", "head"],
+                    help="drafting method (default ngram; head drafts with the head shipped for the bundled target)")
     up.add_argument("--k", default="auto", help="draft depth: auto, a fixed k, or schedule:B=K,... (default auto)")
     up.add_argument("--target-model", default=None)
     up.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0: off; default 8000)")
@@ -107,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     from coordinator.bench_load import add_bench_load_flags
 
     add_bench_load_flags(bench_load)
+    train = sub.add_parser("train-draft", help="train a draft for a target by self-distillation (a head or a small LM)")
+    from specd.train_draft.command import add_train_draft_flags
+
+    add_train_draft_flags(train)
     return parser
 
 
@@ -189,7 +196,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return cmd_generate_remote(args)
     params = _params(args)
     opts = EngineOptions(args.target_model, args.method or "ngram", args.draft_model,
-                         "auto" if args.k is None else args.k, args.device, args.dtype, pipeline=bool(args.pipeline))
+                         "auto" if args.k is None else args.k, args.device, args.dtype, pipeline=bool(args.pipeline),
+                         head=args.head)
     engine, target = build_engine(opts)
     gen = engine.generate(target.encode(args.prompt, chat=args.chat), params)
     if args.json:
@@ -261,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from coordinator.bench_stack import run_bench_stack
 
             return run_bench_stack(args)
+        if args.command == "train-draft":
+            from specd.train_draft.command import run_train_draft
+
+            return run_train_draft(args, list(argv) if argv is not None else sys.argv[1:])
         if args.command == "bench":
             from coordinator.bench import run_bench
 

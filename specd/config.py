@@ -23,7 +23,7 @@ ENV_PREFIX = "SPECD_"
 # The file to read when neither `file` nor `--config` names one.
 CONFIG_FILE_ENV = "SPECD_CONFIG"
 SERVICES = ("target", "draft", "coordinator")
-DRAFT_METHODS = ("none", "ngram", "suffix", "draft_model")
+DRAFT_METHODS = ("none", "ngram", "suffix", "draft_model", "head")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _TRUE = ("1", "true", "yes", "on")
@@ -114,7 +114,10 @@ class DraftConfig(ServiceConfig):
     model: str | None = _opt(None, "draft model spec, for method draft_model")
     device: str = _opt("cpu", "torch device of the draft model")
     dtype: str | None = _opt(None, "torch dtype of the draft model (unset: the model's)")
-    target_model: str | None = _opt(None, "tokenizer source for model-free methods (unset: bundled default)")
+    target_model: str | None = _opt(None, "the target: tokenizer source for model-free methods, embedding and LM head "
+                                          "for method head (unset: bundled default)")
+    head: str | None = _opt(None, "trained draft head directory (specd train-draft) for method head (unset: the head "
+                                  "shipped for the bundled target, when method is head)")
 
 
 @dataclass(frozen=True)

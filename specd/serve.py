@@ -75,11 +75,30 @@ def start_draft(cfg: DraftConfig, telemetry: Telemetry | None = None) -> ServerH
     telemetry = _telemetry("draft", cfg, draft.name if draft is not None else None, telemetry)
     # With a draft model, GetModelInfo names it (a metric attribute) and carries its vocab_hash,
     # which the coordinator and every draft_model session open are checked against.
-    servicer = DraftServicer(cfg.method, draft, telemetry=telemetry)
+    head, max_context = _load_head(cfg)
+    servicer = DraftServicer(cfg.method, draft, telemetry=telemetry, head=head, max_context=max_context)
     handle = build_server(cfg, register(servicer), [SERVICE_NAME])
     handle.servicer = servicer  # type: ignore[attr-defined]
     _attach(handle, telemetry)
     return handle
+
+
+def _load_head(cfg: DraftConfig):
+    """The draft head (and its target's context) when method head is served: --head, or the head
+    shipped for the bundled target. The target's weights are loaded for its embedding and LM
+    head; the rest is dropped."""
+    if cfg.method != "head" and not cfg.head:
+        return None, 0
+    from draft_service.head.checkpoint import default_head_dir, load_head
+    from specd.models import load_model
+    from specd.vocab import vocab_hash
+
+    path = cfg.head or default_head_dir(cfg.target_model)
+    target = load_model(cfg.target_model, device="cpu")
+    head = load_head(path, target.model, vocab_hash(target.tokenizer, target.vocab_size))
+    print(f"specd draft head: {path} (draft vocabulary {head.draft_vocab.numel()}, trained for "
+          f"{head.meta.get('target_model')})", file=sys.stderr, flush=True)
+    return head, target.max_context
 
 
 def start_coordinator(cfg: CoordinatorConfig, telemetry: Telemetry | None = None) -> ServerHandle:
@@ -174,7 +193,8 @@ def up(port: int = 50050, target_port: int = 50052, draft_port: int = 50051, met
     model_flags = ["--model", target_model] if target_model else []
     specs = [
         ("target", exe + ["target", "--port", str(target_port)] + model_flags, target_port),
-        ("draft", exe + ["draft", "--port", str(draft_port), "--method", method if method != "none" else "ngram"], draft_port),
+        ("draft", exe + ["draft", "--port", str(draft_port), "--method", method if method != "none" else "ngram"]
+         + (["--target-model", target_model] if target_model else []), draft_port),
         ("coordinator", exe + ["coordinator", "--port", str(port), "--target", f"127.0.0.1:{target_port}",
                                "--draft", f"127.0.0.1:{draft_port}", "--method", method, "--k", str(k)]
          + (["--tokenizer-model", target_model] if target_model else [])

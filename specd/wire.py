@@ -19,6 +19,7 @@ METHOD_TO_PROTO = {
     "ngram": common_pb2.DRAFT_METHOD_NGRAM,
     "suffix": common_pb2.DRAFT_METHOD_SUFFIX,
     "draft_model": common_pb2.DRAFT_METHOD_DRAFT_MODEL,
+    "head": common_pb2.DRAFT_METHOD_HEAD,
 }
 PROTO_TO_METHOD = {v: k for k, v in METHOD_TO_PROTO.items()}
 FINISH_TO_PROTO = {

@@ -11,6 +11,7 @@ import grpc
 
 from draft_service.proposers.base import Proposal
 from specd.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specd.features import features_to_proto
 from specd.grpc_server import grpc_errors
 from specd.models import LoadedModel
 from specd.telemetry import Telemetry, noop_telemetry
@@ -114,6 +115,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         reply = target_pb2.TargetResponse(opened=target_pb2.TargetSessionOpened(
                             session_id=str(session.session_id), first_token_id=token, context_room=max(session.room, 0),
                             prefill_ms=timing.compute_ms, queue_ms=timing.queue_ms))
+                        if session.new_features is not None:
+                            reply.opened.features.CopyFrom(features_to_proto(*session.new_features))
                         if span is not None:
                             span.set_attributes({"specd.session_id": str(session.session_id),
                                                  "specd.request_id": request.open.request_id,
@@ -132,6 +135,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         reply = target_pb2.TargetResponse(verified=target_pb2.BlockVerified(
                             num_accepted=outcome.num_accepted, token_ids=outcome.tokens, verify_ms=timing.compute_ms,
                             batch_size=timing.batch_size, queue_ms=timing.queue_ms, context_room=max(session.room, 0)))
+                        if session.new_features is not None:
+                            reply.verified.features.CopyFrom(features_to_proto(*session.new_features))
                         if span is not None:
                             span.set_attributes({"specd.session_id": str(session.session_id),
                                                  "specd.block_length": len(tokens) + 1,
@@ -155,7 +160,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with self._admission:
             if len(self.target.sessions) >= self.max_sessions:
                 raise ResourceExhausted(f"this target replica holds its limit of {self.max_sessions} sessions; retry later")
-            return self.target.open_session(list(msg.prompt_token_ids), params)
+            session = self.target.open_session(list(msg.prompt_token_ids), params)
+        session.want_features = msg.return_features
+        return session
 
 
 def register(servicer: TargetServicer):

@@ -47,6 +47,10 @@ class TargetSession:
         self.pending: int | None = None
         self.generator = make_generator(params.seed, target.model.device)
         self.forward_passes = 0
+        # Draft heads read the target's features: when set, every prefill and verify leaves the
+        # features of the positions it kept in `new_features` as (first position, rows).
+        self.want_features = False
+        self.new_features: tuple[int, torch.Tensor] | None = None
 
     @property
     def length(self) -> int:
@@ -131,8 +135,11 @@ class TargetModel:
         with self._model_lock:
             if session.slot is None:
                 session.slot = self.forward.pool.allocate()
-            logits = self.forward.run([RowInput(session.slot, 0, session.prompt_ids)], keep_last=1)[0]
+            logits, feats = self.forward.run_with_features([RowInput(session.slot, 0, session.prompt_ids)], keep_last=1,
+                                                           features=session.want_features)
+            logits = logits[0]
             self.forward_passes += 1
+        session.new_features = (0, feats[0]) if feats is not None else None
         session.forward_passes += 1
         session.cached = len(session.prompt_ids)
         session.pending = session.pick(logits)
@@ -144,11 +151,13 @@ class TargetModel:
             session.check_block(proposal)
         rows = [RowInput(s.slot, s.cached, [s.pending, *p.tokens]) for s, p in items]  # type: ignore[arg-type, list-item]
         with self._model_lock:
-            logits = self.forward.run(rows)
+            logits, feats = self.forward.run_with_features(rows, features=any(s.want_features for s, _ in items))
             self.forward_passes += 1
         outcomes = []
-        for (session, proposal), row_logits in zip(items, logits):
+        for b, ((session, proposal), row_logits) in enumerate(zip(items, logits)):
             outcome = session.accept(proposal, row_logits)
+            if session.want_features and feats is not None:  # the pending token's and the accepted drafts' rows
+                session.new_features = (session.cached, feats[b][: 1 + outcome.num_accepted])
             session.forward_passes += 1
             session.cached += 1 + outcome.num_accepted  # pending + accepted drafts stay; the rest is stale
             session.pending = outcome.tokens[-1]

@@ -37,6 +37,22 @@ def tiny_draft(tmp_path_factory):
     return load_model(str(save_tiny_random_model(tmp_path_factory.mktemp("d"), vocab_size=VOCAB, seed=0, logit_scale=0.6)))
 
 
+@pytest.fixture(scope="module")
+def tiny_head(tiny_target):
+    """An untrained head on the tiny target, drafting from 5 of its 6 tokens (q is 0 on the sixth)."""
+    from draft_service.head.checkpoint import bind_head
+    from draft_service.head.model import DraftHead, HeadConfig
+
+    torch.manual_seed(0)
+    head = DraftHead(HeadConfig.of_target(tiny_target.model.config))
+    head.init_from_target_layer(tiny_target.model.get_decoder().layers[-1], tiny_target.model.get_decoder().norm)
+    return bind_head(head, tiny_target.model, torch.arange(VOCAB - 1))
+
+
+def _proposer(method: str, tiny_draft, tiny_head, max_context: int):
+    return make_proposer(method, tiny_draft, head=tiny_head, max_context=max_context)
+
+
 def exact_joint(model, params: SamplingParams, length: int = 3) -> dict[tuple[int, ...], float]:
     """P(t1, ..., t_length) under target-only sampling, by enumerating every prefix."""
     m = model.model
@@ -81,14 +97,19 @@ CASES = [
     ("ngram", 1, 1.0, 0, 1.0),
     ("ngram", 2, 1.5, 0, 0.8),
     ("ngram", 4, 1.0, 4, 1.0),
+    # head sends q over its draft vocabulary (zero elsewhere), drafted from the target's features
+    ("head", 2, 1.0, 0, 1.0),
+    ("head", 3, 1.5, 3, 0.9),
 ]
 
 
 @pytest.mark.parametrize("method,k,temperature,top_k,top_p", CASES)
-def test_first_three_tokens_match_target_distribution(method, k, temperature, top_k, top_p, tiny_target, tiny_draft):
+def test_first_three_tokens_match_target_distribution(method, k, temperature, top_k, top_p, tiny_target, tiny_draft,
+                                                      tiny_head):
     base = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, ignore_eos=True)
     expected = exact_joint(tiny_target, base)
-    engine = SpeculativeEngine(TargetModel(tiny_target), make_proposer(method, tiny_draft), k=k)
+    engine = SpeculativeEngine(TargetModel(tiny_target), _proposer(method, tiny_draft, tiny_head, tiny_target.max_context),
+                               k=k)
     counts: Counter = Counter()
     drafted = accepted = 0
     for seed in range(SAMPLES):
