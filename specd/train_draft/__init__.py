@@ -1,0 +1,1 @@
+"""`specd train-draft`: self-distilled draft heads and small drafts for a target model."""
