@@ -41,6 +41,8 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
                    help="pipelined drafting for every speculating configuration")
+    p.add_argument("--useless-draft", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure the useless-draft case (a tiny random draft model; default on)")
     p.add_argument("--ramp-seconds", type=float, default=90.0, help="length of the rising-and-falling load run (0: skip)")
     p.add_argument("--out", default="bench-results/load")
 
@@ -107,6 +109,8 @@ def run_bench_load(args: argparse.Namespace) -> int:
                             mean_k[kind][conc].append(s["mean_k"])
                         line.append(f"{name} {s['tokens_per_s']:.1f}" + (f" (k {s['mean_k']:.1f})" if name == AUTO else ""))
                     print(f"run {run + 1}: {kind:<10} c{conc:<3} " + " | ".join(line), file=sys.stderr, flush=True)
+            if not args.useless_draft:
+                continue
             # the useless draft: a tiny random model proposes garbage; auto must turn it off
             gen_all = LoadGenerator(stack.coordinator.address, prompts, encode=lambda p: encoded[p.id])
             for name, depth in ((OFF, "0"), ("k4", "4"), (AUTO, "auto")):
@@ -212,8 +216,9 @@ def render(report: dict) -> str:
                      f"{x(c['low_auto_vs_best_fixed'])} ({c['low_best_fixed']}) | {x(c['high_auto_vs_off'])} | "
                      f"{x(c['high_auto_vs_best_fixed'])} ({c['high_best_fixed']}) |")
     u = report["useless_draft_c1_tokens_per_s"]
-    lines += ["", f"Useless draft (tiny random draft model, c1): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in u.items())
-              + f"; auto vs off {report['useless_draft_auto_vs_off']}x"]
+    if u:
+        lines += ["", f"Useless draft (tiny random draft model, c1): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in u.items())
+                  + f"; auto vs off {report['useless_draft_auto_vs_off']}x"]
     if report["ramp"]:
         r = report["ramp"]["summary"]
         lines.append(f"Ramp (open loop, rates {report['ramp']['rates']}): {r['completed']} requests, "
