@@ -71,7 +71,7 @@ def small_loss(small: torch.nn.Module, lm: torch.Tensor, batch) -> tuple[torch.T
     denom = m.sum().clamp(min=1)
     loss = (-(target_logp.exp() * logq).sum(-1) * m).sum() / denom
     acc = float(((logq.argmax(-1) == target_logp.argmax(-1)).float() * m).sum() / denom)
-    return loss, {"acc1": acc, "cls": float(loss)}
+    return loss, {"acc1": acc, "cls": loss.item()}
 
 
 def train_small(target: LoadedModel, shards: Sequence[Path], out: Path, args: argparse.Namespace) -> int:

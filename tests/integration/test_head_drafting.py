@@ -58,7 +58,7 @@ def test_features_are_the_targets_hidden_states_at_the_kept_positions(tmp_path):
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", [4])  # k = 1..3 blocks run through the same padded verify (other methods test them)
 def test_shipped_head_greedy_equals_target_only(k, target, shipped_head, references, workload_prompts):
     engine = SpeculativeEngine(TargetModel(target), make_proposer("head", head=shipped_head, max_context=target.max_context),
                                k=k, eos_token_ids=target.eos_token_ids)
