@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -118,11 +118,9 @@ def build_systems(args: argparse.Namespace, target: LoadedModel) -> list[System]
         if method == "draft_model" and draft is None:
             draft = target if args.draft_model in (None, "target") else load_model(args.draft_model, args.device, args.dtype)
         if method == "head" and head is None:
-            from draft_service.head.checkpoint import default_head_dir, load_head
-            from specd.vocab import vocab_hash
+            from draft_service.head.checkpoint import load_head_for
 
-            head = load_head(getattr(args, "head", None) or default_head_dir(args.target_model), target.model,
-                             vocab_hash(target.tokenizer, target.vocab_size))
+            head = load_head_for(target, getattr(args, "head", None), args.target_model)
         for k in ([0] if method == "none" else ks):
             fresh = (lambda m=method: make_proposer(m, draft, head=head, max_context=target.max_context))
             engine = SpeculativeEngine(verifier, fresh(), k=k, eos_token_ids=target.eos_token_ids)

@@ -42,10 +42,9 @@ def build_engine(opts: EngineOptions, target: LoadedModel | None = None) -> tupl
                     draft.name, vocab_hash(draft.tokenizer, draft.vocab_size))
     head = None
     if opts.method == "head":
-        from draft_service.head.checkpoint import default_head_dir, load_head
+        from draft_service.head.checkpoint import load_head_for
 
-        head = load_head(opts.head or default_head_dir(opts.target_model), target.model,
-                         vocab_hash(target.tokenizer, target.vocab_size))
+        head = load_head_for(target, opts.head, opts.target_model)
     proposer = make_proposer(opts.method, draft, head=head, max_context=target.max_context)
     k, policy = depth_options(opts.k, opts.k_max)
     engine = SpeculativeEngine(

@@ -178,7 +178,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 m.duration.record(block.draft_ms / 1000, attrs)
         return block
 
-
     def _add_features(self, session: DraftSession, msg) -> None:
         """The target's features, for sessions that read them (method head); others ignore them."""
         add = getattr(session, "add_features", None)

@@ -8,6 +8,8 @@ everything. The wire form is float16 rows (`common_pb2.TargetFeatures`).
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import torch
 
@@ -33,23 +35,35 @@ class FeatureLog:
 
     def __init__(self) -> None:
         self._pieces: list[torch.Tensor] = []
+        self._starts: list[int] = []  # first position of each piece, ascending
         self.length = 0
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """Append rows for positions start ..; start 0 restarts the log. Raises ValueError for a
         gap or an overlap (features out of order: the caller lost track of the sequence)."""
         if start == 0:
-            self._pieces, self.length = [], 0
+            self._pieces, self._starts, self.length = [], [], 0
         elif start != self.length:
             raise ValueError(f"features for position {start} arrived after {self.length} positions")
         if rows.shape[0]:
             self._pieces.append(rows)
+            self._starts.append(self.length)
             self.length += rows.shape[0]
 
     def rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows for positions start .. stop - 1 (stop None: to the end), as one tensor."""
-        if len(self._pieces) > 1:
-            self._pieces = [torch.cat(self._pieces)]
+        """Rows for positions start .. stop - 1 (stop None: to the end), as one tensor.
+
+        Only the pieces the range touches are joined: a drafting step asks for the newest rows,
+        and copying the whole history each step would grow with the sequence."""
         if not self._pieces:
             return torch.zeros(0, 0)
-        return self._pieces[0][start:stop]
+        stop = self.length if stop is None else min(stop, self.length)
+        first = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        parts = []
+        for piece_start, piece in zip(self._starts[first:], self._pieces[first:]):
+            if piece_start >= stop:
+                break
+            parts.append(piece[max(start - piece_start, 0): stop - piece_start])
+        if not parts:
+            return self._pieces[0][:0]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -89,13 +89,12 @@ def _load_head(cfg: DraftConfig):
     head; the rest is dropped."""
     if cfg.method != "head" and not cfg.head:
         return None, 0
-    from draft_service.head.checkpoint import default_head_dir, load_head
+    from draft_service.head.checkpoint import default_head_dir, load_head_for
     from specd.models import load_model
-    from specd.vocab import vocab_hash
 
     path = cfg.head or default_head_dir(cfg.target_model)
     target = load_model(cfg.target_model, device="cpu")
-    head = load_head(path, target.model, vocab_hash(target.tokenizer, target.vocab_size))
+    head = load_head_for(target, path)
     print(f"specd draft head: {path} (draft vocabulary {head.draft_vocab.numel()}, trained for "
           f"{head.meta.get('target_model')})", file=sys.stderr, flush=True)
     return head, target.max_context

@@ -84,6 +84,14 @@ def load_head(path: str | Path, target_model: Any, target_vocab_hash: str = "") 
     return bind_head(head, target_model, draft_vocab, meta, where=str(path))
 
 
+def load_head_for(target: Any, path: str | Path | None = None, target_spec: str | None = None) -> LoadedHead:
+    """The head in `path` (None: the one shipped for `target_spec`) bound to `target`, a
+    specd.models.LoadedModel, after checking that the head was trained for its vocabulary."""
+    from specd.vocab import vocab_hash
+
+    return load_head(path or default_head_dir(target_spec), target.model, vocab_hash(target.tokenizer, target.vocab_size))
+
+
 def bind_head(head: DraftHead, target_model: Any, draft_vocab: torch.Tensor, meta: dict[str, Any] | None = None,
               where: str = "the head") -> LoadedHead:
     """A head ready to draft: with the target's embedding and its LM-head rows of draft_vocab."""
