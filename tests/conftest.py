@@ -37,6 +37,15 @@ def tiny_shared_vocab_draft(target, tmp_path_factory):
     return load_model(str(folder))
 
 
+def one_prompt_per_kind(prompts: list[Prompt], rotate: int = 0) -> list[Prompt]:
+    """One workload prompt of each kind: the `rotate`-th of that kind (modulo their number), so that
+    tests sweeping a parameter over this subset cover different prompts at different values."""
+    by_kind: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_kind.setdefault(p.kind, []).append(p)
+    return [group[rotate % len(group)] for group in by_kind.values()]
+
+
 def hf_greedy(model, ids: list[int], n: int, exact_length: bool = False) -> list[int]:
     """transformers' own target-only greedy decoding: the reference every exactness test uses."""
     x = torch.tensor([ids])

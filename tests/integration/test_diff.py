@@ -1,8 +1,9 @@
-"""`specd diff` embedded, on the real target: every method reproduces the baseline on the workload
-prompts (exit 0), and a deliberately broken verifier is caught (exit 1, naming prompt and position)."""
+"""`specd diff` embedded, on the real target: every method reproduces the baseline on a prompts file
+(one workload prompt of each kind; exit 0), and a deliberately broken verifier is caught (exit 1, naming prompt and position)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -12,11 +13,12 @@ from coordinator.diff import EmbeddedRunner, diff_main
 from specd.cli import build_parser, main
 from specd.models import save_tiny_random_model
 from target_service.rejection_sampler import VerifyOutcome
+from tests.conftest import one_prompt_per_kind
 
 pytestmark = pytest.mark.slow
 
-# Tokens per workload prompt here. test_greedy_exactness already checks 20 tokens per prompt for
-# every method and k against transformers; this test checks the tool end to end (16 prompts x
+# Tokens per prompt here. test_greedy_exactness already checks 20 tokens per workload prompt for
+# every method against transformers; this test checks the tool end to end (one prompt of each kind x
 # (baseline + 3 methods)), so it stays short to keep CI within its budget.
 DIFF_MAX_TOKENS = int(os.environ.get("SPECD_TEST_DIFF_MAX_TOKENS", "8"))
 
@@ -28,23 +30,27 @@ def tiny_draft_folder(target, tmp_path_factory):
                                       tokenizer_from=target.tokenizer, max_position_embeddings=8192))
 
 
-def test_diff_exits_0_for_every_method_on_the_workload_prompts(tiny_draft_folder, workload_prompts, tmp_path, capsys):
+def test_diff_exits_0_for_every_method_on_a_prompts_file(tiny_draft_folder, workload_prompts, tmp_path, capsys):
+    prompts = one_prompt_per_kind(workload_prompts)
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(dataclasses.asdict(p)) + "\n" for p in prompts))
     out = tmp_path / "diff.json"
-    rc = main(["diff", "--method", "ngram,suffix,draft_model", "--draft-model", tiny_draft_folder, "--k", "4",
+    rc = main(["diff", "--prompts", str(prompts_file), "--method", "ngram,suffix,draft_model",
+               "--draft-model", tiny_draft_folder, "--k", "4",
                "--max-tokens", str(DIFF_MAX_TOKENS), "--json", str(out), "--no-progress"])
     table = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert rc == 0, table
     assert report["identical"] is True and report["mode"] == "embedded"
-    assert len(report["rows"]) == 3 * len(workload_prompts)
-    assert {r["prompt_id"] for r in report["rows"]} == {p.id for p in workload_prompts}
+    assert len(report["rows"]) == 3 * len(prompts)
+    assert {r["prompt_id"] for r in report["rows"]} == {p.id for p in prompts}
     assert all(r["identical"] and r["baseline_tokens"] > 0 for r in report["rows"])
     # speculation really ran: the copy-heavy prompts get drafts accepted, the random draft gets drafts
     assert report["summary"]["ngram"]["acceptance_rate"] > 0.1
-    assert report["summary"]["draft_model"]["outputs"] == len(workload_prompts)
+    assert report["summary"]["draft_model"]["outputs"] == len(prompts)
     assert sum(r["num_draft_tokens"] for r in report["rows"] if r["method"] == "draft_model") > 0
     for method in ("ngram", "suffix", "draft_model"):
-        assert f"{method}: {len(workload_prompts)}/{len(workload_prompts)} identical, all identical" in table
+        assert f"{method}: {len(prompts)}/{len(prompts)} identical, all identical" in table
 
 
 class AcceptsOneWrongToken:

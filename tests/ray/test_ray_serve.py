@@ -51,15 +51,19 @@ def serve_app():
             os.environ["PYTHONPATH"] = saved
 
 
+@ray.remote(num_cpus=0)
+def _stats_by_replica(replica_ids: list[str]) -> dict[str, dict]:
+    """Runs in a Ray worker, not in this pytest process: a DeploymentHandle made in the driver keeps a
+    router thread that touches the core worker after `ray.shutdown()`, and Ray then exits the whole
+    process with status 1 (pytest dies mid-run with no summary)."""
+    handle = serve.get_deployment_handle("target", "specd")
+    return {rid: handle.options(session_id=f"{rid}/0").stats.remote().result(timeout_s=30) for rid in replica_ids}
+
+
 def target_replica_stats(client) -> dict[str, dict]:
     """Each target replica's own stats, reached by a session id that names it (the router's rule)."""
     replicas = client.get_serve_details()["applications"]["specd"]["deployments"]["target"]["replicas"]
-    handle = serve.get_deployment_handle("target", "specd")
-    out = {}
-    for r in replicas:
-        rid = r["replica_id"]
-        out[rid] = handle.options(session_id=f"{rid}/0").stats.remote().result(timeout_s=30)
-    return out
+    return ray.get(_stats_by_replica.remote([r["replica_id"] for r in replicas]), timeout=60)
 
 
 def test_generate_through_the_grpc_proxy_is_exact_with_sessions_on_both_targets(serve_app, target, workload_prompts):
