@@ -11,6 +11,7 @@ from typing import Sequence
 import grpc
 
 from specd.errors import FailedPrecondition, InvalidArgument
+from specd.openmp import apply_openmp_defaults
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -231,6 +232,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    apply_openmp_defaults()  # before any command imports torch (see specd/openmp.py)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
