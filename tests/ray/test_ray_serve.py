@@ -17,6 +17,7 @@ from ray import serve  # noqa: E402
 from coordinator.client import build_request  # noqa: E402
 from specd.grpc_server import make_channel  # noqa: E402
 from specd.launcher import free_port  # noqa: E402
+from specd.openmp import OPENMP_DEFAULTS  # noqa: E402
 from specd.ray_serve.deploy import DEFAULT_CONFIG, ROOT, deploy, load_config  # noqa: E402
 from specd.sampling import SamplingParams  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
@@ -134,6 +135,8 @@ def test_deployments_run_with_the_config_files_autoscaling(serve_app):
                 assert config["autoscaling_config"][key] == value, (name, key)
         num_cpus = 0.5 if name == "target" else spec["ray_actor_options"]["num_cpus"]  # the fixture halves the target's
         assert config["ray_actor_options"]["num_cpus"] == num_cpus
+        if name in ("target", "draft"):  # their replicas run model passes off the main thread
+            assert config["ray_actor_options"]["runtime_env"]["env_vars"] == OPENMP_DEFAULTS
         assert details[name]["status"] == "HEALTHY"
     for name in ("target", "draft"):
         router = details[name]["deployment_config"]["request_router_config"]
