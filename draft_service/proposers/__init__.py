@@ -30,7 +30,7 @@ def make_proposer(method: str, draft_model=None, head=None, max_context: int = 0
         return DraftModelProposer(draft_model)
     if method == "head":
         if head is None:
-            raise ValueError("method head needs a trained head: pass --draft-head DIR (made by specd train-draft)")
+            raise ValueError("method head needs a trained head: pass --head DIR (made by specd train-draft)")
         from draft_service.proposers.head import HeadProposer
 
         return HeadProposer(head, max_context)

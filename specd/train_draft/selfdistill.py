@@ -71,8 +71,9 @@ def generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_tokens
             token = torch.multinomial(probs, 1, generator=generator)[:, 0]
         else:
             token = logits.argmax(-1)
+        fed = ~done  # rows whose answer this token extends: it is fed next, and its feature kept
         for b in range(batch):
-            if not done[b]:
+            if fed[b]:
                 answers[b].append(int(token[b]))
         done |= torch.isin(token, eos)
         if bool(done.all()):
@@ -83,8 +84,7 @@ def generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_tokens
                    use_cache=True)
         last = out.last_hidden_state[:, -1]
         for b in range(batch):
-            # feature of the token just fed, while that token belongs to the row's answer
-            if sum(f.shape[0] for f in features[b]) < len(prompts[b]) + len(answers[b]):
+            if fed[b]:
                 features[b].append(last[b: b + 1].half().cpu())
     seqs = []
     for b, p in enumerate(prompts):
