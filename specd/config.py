@@ -98,6 +98,8 @@ class TargetConfig(ServiceConfig):
     max_sessions: int = _opt(64, "sessions admitted at once; more are refused with RESOURCE_EXHAUSTED", minimum=1)
     max_batch_size: int = _opt(16, "most verify requests sharing one forward pass", minimum=1)
     batch_wait_ms: float = _opt(2.0, "how long a forward pass waits for more requests to batch", minimum=0)
+    straggler_wait_ms: float = _opt(40.0, "longest a forward pass waits for sessions that just got a result and are "
+                                          "on their way back with the next block (at most half a pass; 0: off)", minimum=0)
     session_ttl_s: float = _opt(600.0, "idle seconds after which a session is closed", minimum=0)
     kv_budget_mb: float | None = _opt(None, "KV cache memory budget in MiB; caps max_sessions at budget / "
                                       "(KV bytes per token x max context) (unset: max_sessions alone)", minimum=0)

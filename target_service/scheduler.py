@@ -1,9 +1,16 @@
 """Batches verify requests of different sessions into shared forward passes, on one model thread.
 
 Session handlers (one thread per gRPC stream) submit work and block on its result. The model
-thread takes the oldest request; a prefill runs alone, a verify waits up to `batch_wait_ms` for
-other sessions' verifies (less when every open session is already queued) and runs them together,
-up to `max_batch_size`.
+thread takes the oldest request; a prefill runs alone, a verify waits for other sessions'
+verifies and runs them together, up to `max_batch_size`:
+
+- at least `batch_wait_ms` for any other session (none once every open session is queued);
+- longer, up to `straggler_wait_ms` and at most half the recent pass time, for the sessions that
+  are on their way back: handed a result moments ago, now crossing the coordinator and the draft
+  service. Without this, a session that misses a pass by a few ms (a draft round trip) waits a
+  whole pass for the next one and then runs in a small pass of its own: the sessions split into
+  groups that take turns, and each group pays the pass's fixed cost (on this project's CPU machines
+  one row costs 70 % of eight). See `straggler_wait_s` and `awaited_sessions`.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import time
 from collections import defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Collection, Iterable, Mapping
 
 from draft_service.proposers.base import Proposal
 from specd.telemetry import Telemetry, batch_bucket, noop_telemetry
@@ -33,6 +41,7 @@ class StepTiming:
     queue_ms: float
     compute_ms: float
     batch_size: int
+    block_length: int = 1  # positions per row of the pass (the longest block in it)
 
 
 class BatchStats:
@@ -55,14 +64,40 @@ class BatchStats:
             return sum(b * c for b, c in self.batch_sizes.items()) / passes if passes else 0.0
 
 
+# Waiting for a straggler idles the model; missing it costs a pass of its own later, which on a
+# weight-bound model is nearly a whole pass. Half a pass bounds the first by a fraction of the second.
+STRAGGLER_WAIT_FRACTION = 0.5
+PASS_EMA = 0.2  # weight of the newest verify pass in the moving pass time
+
+
+def straggler_wait_s(pass_s: float | None, floor_s: float, cap_s: float) -> float:
+    """How long a verify may wait for sessions on their way back: half the recent pass time,
+    within [floor_s, cap_s] (floor_s until a pass has been timed)."""
+    if pass_s is None:
+        return floor_s
+    return max(floor_s, min(STRAGGLER_WAIT_FRACTION * pass_s, cap_s))
+
+
+def awaited_sessions(open_ids: Iterable[int], queued_ids: Collection[int], delivered_at: Mapping[int, float],
+                     now: float, horizon_s: float) -> set[int]:
+    """The open sessions worth waiting for: not queued, and handed a result less than `horizon_s`
+    ago, so presumably on their way back with the next block. A session idle for longer (its
+    client is slow, or it is done and about to close) is not waited for."""
+    return {sid for sid in open_ids
+            if sid not in queued_ids and sid in delivered_at and now - delivered_at[sid] < horizon_s}
+
+
 class VerifyScheduler:
     def __init__(self, target: TargetModel, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
-                 telemetry: Telemetry | None = None):
+                 telemetry: Telemetry | None = None, straggler_wait_ms: float = 40.0):
         self.target = target
         self.telemetry = telemetry or noop_telemetry()
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000.0
+        self.straggler_wait_cap = max(straggler_wait_ms / 1000.0, self.batch_wait)
         self.stats = BatchStats()
+        self._pass_s: float | None = None  # moving verify pass time
+        self._delivered_at: dict[int, float] = {}  # session id -> when its last result was handed out
         self._queue: deque[_Work] = deque()
         self._cv = threading.Condition()
         self._stopped = False
@@ -93,6 +128,12 @@ class VerifyScheduler:
             self._stopped = True
             self._cv.notify()
 
+    def forget(self, session: TargetSession) -> None:
+        """A session closed: stop waiting for it."""
+        with self._cv:
+            if self._delivered_at.pop(session.session_id, None) is not None:
+                self._cv.notify()
+
     def _run(self) -> None:
         while True:
             batch = self._next_batch()
@@ -109,14 +150,19 @@ class VerifyScheduler:
             head = self._queue[0]
             if head.proposal is None:
                 return [self._queue.popleft()]
-            deadline = time.perf_counter() + self.batch_wait
+            start = time.perf_counter()
+            floor_deadline = start + self.batch_wait
+            budget = straggler_wait_s(self._pass_s, self.batch_wait, self.straggler_wait_cap)
+            deadline = start + budget
             while True:
-                verifies = sum(1 for w in self._queue if w.proposal is not None)
-                everyone_here = verifies >= len(self.target.sessions)
-                remaining = deadline - time.perf_counter()
-                if verifies >= self.max_batch_size or everyone_here or remaining <= 0:
+                queued = {w.session.session_id for w in self._queue if w.proposal is not None}
+                now = time.perf_counter()
+                everyone_here = len(queued) >= len(self.target.sessions)
+                awaited = awaited_sessions(list(self.target.sessions), queued, self._delivered_at, now, budget)
+                until = deadline if awaited else floor_deadline
+                if len(queued) >= self.max_batch_size or everyone_here or now >= until:
                     break
-                self._cv.wait(remaining)
+                self._cv.wait(until - now)
             batch: list[_Work] = []
             rest: deque[_Work] = deque()
             while self._queue:
@@ -136,14 +182,23 @@ class VerifyScheduler:
             for w in batch:
                 w.future.set_exception(exc)
             return
-        compute_ms = (time.perf_counter() - start) * 1000
+        end = time.perf_counter()
+        compute_ms = (end - start) * 1000
+        block = 1
         if batch[0].proposal is not None:
             block = max(len(w.proposal.tokens) for w in batch) + 1  # type: ignore[union-attr]
             self.stats.record(len(batch), block, compute_ms)
+            seconds = end - start
+            self._pass_s = seconds if self._pass_s is None else self._pass_s + PASS_EMA * (seconds - self._pass_s)
+        with self._cv:
+            for w in batch:
+                self._delivered_at[w.session.session_id] = end
+            for sid in [sid for sid in self._delivered_at if sid not in self.target.sessions]:
+                del self._delivered_at[sid]  # closed sessions (forget() is only a prompt for the waiting loop)
         if self.telemetry.metrics_on:
             self._record(batch, start, compute_ms / 1000)
         for w, result in zip(batch, results):
-            w.future.set_result((result, StepTiming((start - w.enqueued) * 1000, compute_ms, len(batch))))
+            w.future.set_result((result, StepTiming((start - w.enqueued) * 1000, compute_ms, len(batch), block)))
 
     def _record(self, batch: list[_Work], start: float, seconds: float) -> None:
         m = self.telemetry.target

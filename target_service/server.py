@@ -30,7 +30,8 @@ SERVICE_NAME = "specdec.v1.TargetService"
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, model: LoadedModel, max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
-                 session_ttl_s: float = 600.0, telemetry: Telemetry | None = None, kv_budget_mb: float | None = None):
+                 session_ttl_s: float = 600.0, telemetry: Telemetry | None = None, kv_budget_mb: float | None = None,
+                 straggler_wait_ms: float = 40.0):
         self.model = model
         self.telemetry = telemetry or noop_telemetry()
         self.session_ttl_s = session_ttl_s
@@ -38,7 +39,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if session_ttl_s > 0:
             threading.Thread(target=self._expire_idle, daemon=True, name="specd-session-ttl").start()
         self.target = TargetModel(model)
-        self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms, self.telemetry)
+        self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms, self.telemetry,
+                                         straggler_wait_ms=straggler_wait_ms)
         if self.telemetry.metrics_on:
             self.telemetry.target.observe(lambda: len(self.target.sessions), lambda: self.scheduler.queue_depth)
         # The session limit: max_sessions, or fewer when a KV budget holds fewer worst-case sessions;
@@ -134,7 +136,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         outcome, timing = self.scheduler.verify(session, Proposal(tokens, probs))
                         reply = target_pb2.TargetResponse(verified=target_pb2.BlockVerified(
                             num_accepted=outcome.num_accepted, token_ids=outcome.tokens, verify_ms=timing.compute_ms,
-                            batch_size=timing.batch_size, queue_ms=timing.queue_ms, context_room=max(session.room, 0)))
+                            batch_size=timing.batch_size, queue_ms=timing.queue_ms, context_room=max(session.room, 0),
+                            pass_block_length=timing.block_length))
                         if session.new_features is not None:
                             reply.verified.features.CopyFrom(features_to_proto(*session.new_features))
                         if span is not None:
@@ -151,6 +154,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if session is not None:
                 self._streams.pop(session.session_id, None)
                 session.close()
+                self.scheduler.forget(session)
 
     def _open(self, msg: target_pb2.OpenTargetSession) -> TargetSession:
         if self.draining:

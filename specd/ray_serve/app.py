@@ -102,7 +102,7 @@ class TargetDeployment:
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str | None = None,
                  max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 2.0,
-                 session_ttl_s: float = 600.0):
+                 session_ttl_s: float = 600.0, straggler_wait_ms: float = 40.0):
         from specd.models import load_model
         from specd.vocab import vocab_hash
         from target_service.scheduler import VerifyScheduler
@@ -110,7 +110,8 @@ class TargetDeployment:
 
         self.model = load_model(model, device=device, dtype=dtype)
         self.target = TargetModel(self.model)
-        self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms)
+        self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms,
+                                         straggler_wait_ms=straggler_wait_ms)
         self.max_sessions = max_sessions
         self.sessions = SessionTable(session_ttl_s, lambda s: s.close())
         self._admission = threading.Lock()
@@ -149,7 +150,8 @@ class TargetDeployment:
         session = self.sessions.get(session_id)
         outcome, timing = self.scheduler.verify(session, Proposal(tokens, probs))
         return {"num_accepted": outcome.num_accepted, "tokens": list(outcome.tokens), "room": max(session.room, 0),
-                "verify_ms": timing.compute_ms, "queue_ms": timing.queue_ms, "batch_size": timing.batch_size}
+                "verify_ms": timing.compute_ms, "queue_ms": timing.queue_ms, "batch_size": timing.batch_size,
+                "pass_block_length": timing.block_length}
 
     async def verify(self, session_id: str, tokens: list[int], probs: Any = None) -> dict[str, Any]:
         return await self._run(self._verify, session_id, list(tokens), probs)
@@ -313,7 +315,7 @@ def build_app(args: dict[str, Any]) -> Any:
     """The application, for `serve run` and the config file's `import_path`.
 
     args: target_model, draft_model, device ("cpu", "cuda"), dtype, method, k, max_sessions,
-    max_batch_size, batch_wait_ms, session_ttl_s. With a GPU in the cluster and no
+    max_batch_size, batch_wait_ms, straggler_wait_ms, session_ttl_s. With a GPU in the cluster and no
     `ray_actor_options` in the config file, target and draft each ask for one.
     """
     import ray
@@ -328,7 +330,8 @@ def build_app(args: dict[str, Any]) -> Any:
             draft = draft.options(ray_actor_options={"num_cpus": 1, "num_gpus": 1})
     ttl = float(args.get("session_ttl_s", 600.0))
     target_app = target.bind(args.get("target_model"), device, args.get("dtype"), int(args.get("max_sessions", 64)),
-                             int(args.get("max_batch_size", 16)), float(args.get("batch_wait_ms", 2.0)), ttl)
+                             int(args.get("max_batch_size", 16)), float(args.get("batch_wait_ms", 2.0)), ttl,
+                             float(args.get("straggler_wait_ms", 40.0)))
     method = args.get("method", "ngram")
     draft_app = draft.bind(args.get("draft_model"), device, args.get("dtype"), ttl) if method != "none" else None
     return CoordinatorDeployment.bind(target_app, draft_app, method, int(args.get("k", 8)), args.get("target_model"),

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from coordinator.remote import CallTimes
+from coordinator.remote import CallTimes, RemoteVerifyOutcome
 from draft_service.proposers.base import Proposal
 from specd.errors import SpecdError
 from specd.sampling import SamplingParams
@@ -67,7 +67,9 @@ class RayTargetSession:
         self.times.verify_wall_ms += (time.perf_counter() - start) * 1000
         self.times.verify_ms += reply["verify_ms"]
         self._room = reply["room"]
-        return VerifyOutcome(num_accepted=reply["num_accepted"], tokens=list(reply["tokens"]))
+        return RemoteVerifyOutcome(num_accepted=reply["num_accepted"], tokens=list(reply["tokens"]),
+                                   batch_size=max(int(reply["batch_size"]), 1), queue_ms=max(float(reply["queue_ms"]), 0.0),
+                                   pass_block_length=int(reply["pass_block_length"]))
 
     def close(self) -> None:
         if self.closed:

@@ -1,0 +1,81 @@
+"""The verify scheduler's batching, against a fake target whose passes take a fixed time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from draft_service.proposers.base import Proposal
+from target_service.rejection_sampler import VerifyOutcome
+from target_service.scheduler import VerifyScheduler, awaited_sessions, straggler_wait_s
+
+PASS_S = 0.06
+
+
+class FakeSession:
+    def __init__(self, session_id: int):
+        self.session_id = session_id
+
+    def check_block(self, proposal: Proposal) -> None:
+        pass
+
+
+class FakeTarget:
+    """Passes that take PASS_S whatever their size, and a log of each pass's session ids."""
+
+    def __init__(self, n: int):
+        self.sessions = {i: FakeSession(i) for i in range(n)}
+        self.passes: list[list[int]] = []
+
+    def verify_batch(self, items):
+        time.sleep(PASS_S)
+        self.passes.append(sorted(s.session_id for s, _ in items))
+        return [VerifyOutcome(0, [1]) for _ in items]
+
+
+def test_straggler_wait_is_half_a_pass_within_floor_and_cap() -> None:
+    assert straggler_wait_s(None, 0.002, 0.04) == 0.002  # no pass timed yet
+    assert straggler_wait_s(0.05, 0.002, 0.04) == pytest.approx(0.025)
+    assert straggler_wait_s(0.2, 0.002, 0.04) == 0.04
+    assert straggler_wait_s(0.001, 0.002, 0.04) == 0.002
+
+
+def test_awaited_sessions_are_recent_and_not_queued() -> None:
+    delivered = {1: 10.00, 2: 10.00, 3: 9.90}
+    assert awaited_sessions([1, 2, 3, 4], {1}, delivered, now=10.01, horizon_s=0.03) == {2}
+    assert awaited_sessions([1, 3], set(), delivered, now=10.05, horizon_s=0.03) == set()
+
+
+def run_two_sessions(straggler_wait_ms: float, late_s: float = 0.010, steps: int = 6) -> list[list[int]]:
+    """Session 0 comes straight back after each result; session 1 comes back `late_s` later (a
+    draft round trip). Returns the target's passes, after a first pass that times the model."""
+    target = FakeTarget(2)
+    scheduler = VerifyScheduler(target, max_batch_size=8, batch_wait_ms=2.0,  # type: ignore[arg-type]
+                                straggler_wait_ms=straggler_wait_ms)
+    try:
+        def loop(sid: int, delay: float) -> None:
+            for _ in range(steps):
+                time.sleep(delay)
+                scheduler.verify(target.sessions[sid], Proposal([5]))
+
+        threads = [threading.Thread(target=loop, args=(0, 0.0)), threading.Thread(target=loop, args=(1, late_s))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    finally:
+        scheduler.stop()
+    return target.passes[2:]  # the first passes ran before any pass was timed
+
+
+def test_a_session_a_draft_round_trip_behind_joins_the_pass() -> None:
+    passes = run_two_sessions(straggler_wait_ms=40.0)[:-1]  # the last: whichever session is a step behind
+    assert passes and all(p == [0, 1] for p in passes), passes
+
+
+def test_without_the_straggler_wait_the_sessions_take_turns() -> None:
+    passes = run_two_sessions(straggler_wait_ms=0.0)
+    assert sum(1 for p in passes if len(p) == 1) >= len(passes) // 2, passes
+
