@@ -13,10 +13,12 @@ better spent not drafting (draft compute, wire traffic, KV rollback).
 
 The pieces, each small and testable alone:
 
-- pure functions: `expected_tokens`, `depth_rates`, `best_depth`, `load_penalty`;
+- pure functions: `expected_tokens`, `depth_rates`, `pass_rates`, `best_depth`, `load_penalty`;
 - `AcceptanceEstimator`: per-session acceptance, a moving average per draft position;
 - `CostModel`: per-replica draft and verify costs measured online (one per target replica, shared
   by its sessions);
+- `PassPeers`: the acceptance of every session on a replica, because a batched pass is as long as
+  its longest block, so the depth worth choosing is the pass's, not one session's (`pass_rates`);
 - `DepthController`: one per session; modes (auto, fixed, schedule), an acceptance floor,
   hysteresis, and re-probing of disabled sessions; `make_controller` parses the CLI forms.
 """
@@ -33,12 +35,15 @@ __all__ = [
     "CostModel",
     "DepthController",
     "LoadSignal",
+    "PassPeers",
     "SharedAcceptance",
     "best_depth",
     "depth_rates",
     "expected_tokens",
     "load_penalty",
     "make_controller",
+    "pass_alphas",
+    "pass_rates",
 ]
 
 Costs = Callable[[int], float] | Sequence[float]
@@ -80,12 +85,29 @@ def depth_rates(alpha: float, draft_cost_ms: Costs, verify_cost_ms: Costs, k_max
     the target's time to verify a block of depth k, i.e. k + 1 positions. The draft cost at k = 0
     is taken as 0 whatever is passed, because a k = 0 step never calls the draft.
     """
+    return pass_rates([alpha], draft_cost_ms, verify_cost_ms, k_max)
+
+
+def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Costs, k_max: int) -> list[float]:
+    """Expected tokens per millisecond and per session, for every k in 0..k_max, of a batched pass
+    whose sessions have acceptances `alphas` and all draft k tokens.
+
+    A batched verify pads every row to the longest block, so a pass costs verify_cost_ms(k) for
+    its longest block whoever drafted it: one session going deep makes every row pay for k + 1
+    positions, and once the pass is that long, drafting up to k is free to every other session.
+    The pool therefore gets the most tokens per ms from one depth for the whole pass, the one
+    maximizing sum_i E(k, a_i) / cost(k); this returns that sum's mean, so that one alpha gives
+    `depth_rates`. Costs are indexed by depth as there.
+    """
+    if not alphas:
+        raise ValueError("pass_rates needs at least one session's acceptance")
     draft = _cost_list(draft_cost_ms, k_max)
     verify = _cost_list(verify_cost_ms, k_max)
     rates = []
     for k in range(k_max + 1):
         cost = verify[k] + (draft[k] if k > 0 else 0.0)
-        rates.append(expected_tokens(k, alpha) / cost if cost > 0 else math.inf)
+        tokens = sum(expected_tokens(k, a) for a in alphas) / len(alphas)
+        rates.append(tokens / cost if cost > 0 else math.inf)
     return rates
 
 
@@ -101,6 +123,20 @@ def best_depth(
     rates = depth_rates(alpha, draft_cost_ms, verify_cost_ms, k_max)
     k = _argbest(rates, margin)
     return k, rates[k]
+
+
+def batch_margin(margin: float, batch_size: int) -> float:
+    """The margin by which speculating must beat plain decoding in a pass of `batch_size` rows:
+    `margin` times sqrt(batch_size).
+
+    In a batch the depth is one decision for every row: a wrong "on" lengthens the pass for all
+    of them, and the estimates it rests on are the weakest there (verify cells of long blocks at
+    large batch sizes are seen least; the pass also waits for the slowest of the sessions' draft
+    round trips, which the per-session draft cost does not see). On this project's CPU machines
+    the model's gain of speculating at batch 16 with chat-like acceptance was a few percent where
+    the bench measured a loss of 5-12 %; sqrt(16) x 5 % = 20 % keeps those off while code
+    editing (a 30 % gain and more) stays on."""
+    return margin * math.sqrt(max(int(batch_size), 1))
 
 
 def _argbest(rates: Sequence[float], margin: float) -> int:
@@ -256,6 +292,7 @@ class _Mean:
 
 
 OUTLIER_FACTOR = 3.0
+SETTLED = 3  # samples before a cell's mean is trusted beyond its own batch size
 # Draft cost cells follow fast: a draft call's wall time swings with what shares the cores (a
 # batched verify pass), and a session at k = 0 makes no draft calls, so samples are few and an
 # estimate inflated under load must not outlive the load.
@@ -266,7 +303,7 @@ def _clip(x: float, cell: _Mean) -> float:
     """A sample more than OUTLIER_FACTOR times a settled cell's mean counts as that much: one pass
     stalled by a neighbour process must not swing a shared cost model (every session's k) for a
     whole window. Real drift still gets through, at up to 3x per sample."""
-    return min(x, OUTLIER_FACTOR * cell.mean) if cell.count >= 3 and cell.mean > 0 else x
+    return min(x, OUTLIER_FACTOR * cell.mean) if cell.count >= SETTLED and cell.mean > 0 else x
 
 
 def _fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -296,7 +333,8 @@ class CostModel:
 
     a fixed pass cost that grows slowly with the batch (weights are read once per pass; on this
     project's CPU machines a batch of 8 costs about twice one row) and a cost per extra position
-    and row (compute). draft_ms(k): a line in k through the observed k (proportional to k with one
+    and row (compute; measured there: 4 ms a position against a 62 ms pass at batch 1, about 45
+    against 150 at batch 16, so the default is 2 against 30). draft_ms(k): a line in k through the observed k (proportional to k with one
     point), else `draft_per_token_ms * k`; 0 at k = 0. Means become moving averages after `window`
     samples so the model follows drift (thermal throttling, neighbours, cache growth).
 
@@ -306,7 +344,7 @@ class CostModel:
     def __init__(
         self,
         verify_ms: float = 30.0,
-        per_token_ms: float = 5.0,
+        per_token_ms: float = 2.0,
         batch_growth: float = 1.0 / 7.0,
         draft_per_token_ms: float = 0.0,
         window: float = 64.0,
@@ -379,12 +417,32 @@ class CostModel:
         points = [(float(n), c.mean, c.weight(self.window)) for n, c in cells.items()]
         total = sum(w for _, _, w in points)
         scale = sum(w * y / (c0 + m0 * (n - 1)) for n, y, w in points) / total if c0 > 0 else 1.0
-        prior_slope = m0 * scale
+        prior_slope = self._borrowed_slope(b)
+        if prior_slope is None:
+            prior_slope = m0 * scale
         fit = _fit_line(points)
         slope = prior_slope if fit is None else (total * fit[1] + self.prior_points * prior_slope) / (total + self.prior_points)
         mean_n = sum(n * w for n, _, w in points) / total
         mean_y = sum(y * w for _, y, w in points) / total
         return mean_y - slope * (mean_n - 1.0), slope
+
+    def _borrowed_slope(self, b: int) -> float | None:
+        """The cost per extra position at batch size b as another batch size measured it: the
+        fitted slope of the nearest batch size with two or more block lengths observed, scaled by
+        the prior's slope ratio (the rows). Better than the prior's own slope, whose ratio to the
+        pass cost is a guess about the hardware: on this project's CPU machines it overstated the
+        cost of long blocks at batch 16 by 2-3x, which kept speculation off where it paid."""
+        settled = {s: [(float(n), c.mean, c.weight(self.window)) for n, c in cells.items() if c.count >= SETTLED]
+                   for s, cells in self._verify.items() if s != b}
+        measured = [(abs(s - b), s) for s, points in settled.items() if len(points) >= 2]
+        if not measured:
+            return None
+        near = min(measured)[1]
+        fit = _fit_line(settled[near])
+        if fit is None:
+            return None
+        pm_near, pm_b = self._prior_line(near)[1], self._prior_line(b)[1]
+        return fit[1] * pm_b / pm_near if pm_near > 0 else fit[1]
 
     def _line(self, b: int) -> tuple[float, float]:
         """(cost at block length 1, cost per extra position) at batch size b."""
@@ -460,6 +518,64 @@ class SharedAcceptance:
             return min(max(self._estimator.alpha, self.lo), self.hi)
 
 
+class PassPeers:
+    """The acceptance of every open session on one target replica, as their controllers last saw it.
+
+    Sessions on a replica share its batched passes, so each controller chooses the depth for the
+    pass (`pass_rates` over its own and its peers' acceptance) rather than for itself: a session
+    with poor acceptance among good ones drafts along (the positions are paid for anyway), and a
+    session with good acceptance among poor ones does not lengthen everyone's pass alone. All
+    sessions see nearly the same acceptances, so they arrive at nearly the same depth.
+
+    A session that has not drafted yet is "unproven": its acceptance is only the prior. When a
+    controller asks whether a probe could pay (`others(..., optimistic=...)`), unproven peers count
+    as optimistic too, so a batch of new sessions probes together, in one lengthened pass, instead
+    of each waiting for peers that know no more than it does. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._alphas: dict[int, tuple[float, bool]] = {}  # handle -> (acceptance, proven)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def join(self, alpha: float) -> int:
+        """A session opens; returns its handle."""
+        with self._lock:
+            self._next += 1
+            self._alphas[self._next] = (alpha, False)
+            return self._next
+
+    def update(self, handle: int, alpha: float, proven: bool = True) -> None:
+        with self._lock:
+            if handle in self._alphas:
+                self._alphas[handle] = (alpha, proven)
+
+    def leave(self, handle: int) -> None:
+        with self._lock:
+            self._alphas.pop(handle, None)
+
+    def others(self, handle: int, optimistic: float | None = None) -> list[float]:
+        """The acceptance of every session but `handle`; unproven ones at least `optimistic`."""
+        with self._lock:
+            return [max(a, optimistic) if optimistic is not None and not proven else a
+                    for h, (a, proven) in self._alphas.items() if h != handle]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._alphas)
+
+
+def pass_alphas(own: float, others: Sequence[float], batch_size: int) -> list[float]:
+    """The acceptances of the sessions sharing a pass of `batch_size` rows, one of them `own`.
+
+    Peers this coordinator does not know of (the replica's other coordinators' sessions) are taken
+    to accept like the known ones on average; known peers beyond the batch size all count (the
+    registry is fresher than the replica's polled session count)."""
+    known = [own, *others]
+    missing = max(int(batch_size) - len(known), 0)
+    return known + [sum(known) / len(known)] * missing
+
+
 class DepthController:
     """Chooses k for one session, step by step.
 
@@ -476,16 +592,23 @@ class DepthController:
     Turning off for the floor is immediate.
 
     Re-probing: while the session sits at k = 0, nothing about acceptance is learnt. A session
-    whose start comes from a `SharedAcceptance` saying "off" probes at its first step (the shared
-    rate comes from other prompts; acceptance is a property of this one). Then, every
+    whose start comes from a `SharedAcceptance` saying "off" probes at its first step where a
+    probe could pay (the shared rate comes from other prompts; acceptance is a property of this
+    one). Then, every
     `probe_interval` steps it drafts `probe_k` tokens once; if acceptance still does not pay, the
     interval doubles, up to `probe_max_interval`, and it resets when speculation comes back. A
     session probes only when k = 0 is down to acceptance: when good acceptance would not pay
     either (load, costs, a schedule entry of 0), there is nothing to learn. Between probes a k = 0
     session does no draft work.
 
+    The pass view (auto): with `peers` (the replica's `PassPeers`), the rates are those of the
+    pass (`pass_rates` over this session's and its peers' acceptance), so the sessions of a replica
+    agree on one depth. A probe is then worth drafting only if this session's acceptance alone could
+    turn the pass's choice, which it rarely can in a large batch: there a probe would lengthen a
+    pass that every session pays for.
+
     Use: `k = choose(load)`, run the step with k, then `observe(k, accepted, draft_ms, verify_ms,
-    batch_size)`. `history` lists the k chosen at each step.
+    batch_size)`; `close()` when the session ends. `history` lists the k chosen at each step.
     """
 
     def __init__(
@@ -506,6 +629,7 @@ class DepthController:
         probe_alpha: float = 0.9,
         estimator: AcceptanceEstimator | None = None,
         shared: "SharedAcceptance | None" = None,
+        peers: PassPeers | None = None,
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -541,6 +665,8 @@ class DepthController:
             estimator = AcceptanceEstimator(alpha0=shared.alpha, prior_weight=2.0) if shared is not None else AcceptanceEstimator()
         self.estimator = estimator
         self.shared = shared
+        self.peers = peers if mode == "auto" else None
+        self._peer = self.peers.join(estimator.alpha) if self.peers is not None else 0
         self.k: int | None = None  # the committed depth (a probe step does not change it)
         self.history: list[int] = []
         self.batch_size = 1  # of the last verify pass, used when choose() gets no load
@@ -549,18 +675,26 @@ class DepthController:
         self._interval = probe_interval
         self._idle_steps = 0
         self._probed = False
+        self._drafted = False  # has any step of this session drafted yet
 
     # the policy, before hysteresis
 
-    def _rates(self, alpha: float, load: LoadSignal | None) -> list[float]:
+    def _batch(self, load: LoadSignal | None) -> int:
         b = load.batch_size if load is not None else self.batch_size
+        return max(b, len(self.peers) if self.peers is not None else 1)
+
+    def _rates(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> list[float]:
+        """Expected tokens/ms per depth; with `optimistic`, unproven peers count at least at it."""
+        b = load.batch_size if load is not None else self.batch_size
+        alphas = pass_alphas(alpha, self.peers.others(self._peer, optimistic), b) if self.peers is not None else [alpha]
+        b = max(b, len(alphas))
         penalty = load_penalty(load)
         cm = self.cost_model
         base = cm.verify_ms(1, b)
         verify = [base + penalty * (cm.verify_ms(k + 1, b) - base) for k in range(self.k_max + 1)]
-        return depth_rates(alpha, cm.draft_ms, verify, self.k_max)
+        return pass_rates(alphas, cm.draft_ms, verify, self.k_max)
 
-    def _policy(self, alpha: float, load: LoadSignal | None) -> int:
+    def _policy(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> int:
         """The mode's choice for acceptance `alpha`, ignoring the floor."""
         if self.k_max == 0:
             return 0
@@ -570,7 +704,7 @@ class DepthController:
             b = load.batch_size if load is not None else self.batch_size
             keys = [key for key in self.schedule if key <= b]
             return self.schedule[keys[-1] if keys else next(iter(self.schedule))]
-        return _argbest(self._rates(alpha, load), self.margin)
+        return _argbest(self._rates(alpha, load, optimistic), batch_margin(self.margin, self._batch(load)))
 
     def target(self, load: LoadSignal | None = None) -> int:
         """The depth the policy wants now (floor included, hysteresis and probing not)."""
@@ -608,8 +742,10 @@ class DepthController:
         if k == 0 and self.k_max > 0:
             self._idle_steps += 1
             optimistic = max(self.estimator.alpha, self.probe_alpha)
-            first = self.shared is not None and not self.history  # the shared prior is no evidence about this prompt
-            if (first or self._idle_steps >= self._interval) and self._policy(optimistic, load) > 0:
+            # The shared prior is no evidence about this prompt: until the session has drafted, it
+            # probes at the first step where a probe could pay (not while load rules it out).
+            first = self.shared is not None and not self._drafted
+            if (first or self._idle_steps >= self._interval) and self._policy(optimistic, load, optimistic) > 0:
                 self._idle_steps = 0
                 self._probed = True
                 k = self.probe_k
@@ -624,26 +760,39 @@ class DepthController:
         self.k = k
         self._pending_side = self._pending_steps = 0
 
-    def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int) -> None:
-        """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size.
+    def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int,
+                pass_block_length: int = 0) -> None:
+        """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size,
+        and the positions per row of its pass (the longest block in the batch, which is what the
+        pass cost; 0 when the target did not say, then this block's k + 1).
 
-        A probe whose draft came back empty (an n-gram proposer with no match yet) taught nothing:
-        it is not judged, and the next step probes again."""
+        A draft shorter than asked (an n-gram proposer whose match ran out) is judged on what it
+        drafted: its missing positions cost no verify work either, so asking deep stays cheap
+        where matches are short. A probe whose draft came back empty (no match yet) taught
+        nothing: it is not judged, and the next step probes again."""
         if self._probed and k == 0:
             self._probed = False
             self._idle_steps = self._interval
+        self._drafted = self._drafted or k > 0
         self.estimator.update(k, num_accepted)
+        if self.peers is not None:
+            self.peers.update(self._peer, self.estimator.alpha, proven=self.estimator.weight > self.estimator.prior_weight)
         if self.shared is not None and k > 0:
             self.shared.update(k, num_accepted)
         if k > 0:
             self.cost_model.observe_draft(k, draft_ms)
-        self.cost_model.observe_verify(batch_size, k + 1, verify_ms)
+        self.cost_model.observe_verify(batch_size, max(pass_block_length, k + 1), verify_ms)
         self.batch_size = max(int(batch_size), 1)
+
+    def close(self) -> None:
+        """The session ended: its acceptance no longer counts in its peers' passes."""
+        if self.peers is not None:
+            self.peers.leave(self._peer)
 
 
 
 def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None,
-                    shared: SharedAcceptance | None = None) -> DepthController:
+                    shared: SharedAcceptance | None = None, peers: PassPeers | None = None) -> DepthController:
     """A controller from its CLI form.
 
         auto                          the policy
@@ -675,7 +824,7 @@ def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None,
     if head.lower() == "auto":
         if rest:
             raise ValueError(f"depth spec {spec!r}: unexpected {','.join(rest)!r} after 'auto'")
-        return DepthController(k_max, cost_model, mode="auto", floor=floor, shared=shared)
+        return DepthController(k_max, cost_model, mode="auto", floor=floor, shared=shared, peers=peers)
     if head.lower().startswith("schedule:"):
         entries = [head.split(":", 1)[1]] + rest
         table: dict[int, int] = {}

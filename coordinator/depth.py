@@ -17,7 +17,9 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable
 
-from coordinator.controller import CostModel, DepthController, LoadSignal, SharedAcceptance, make_controller
+import grpc
+
+from coordinator.controller import CostModel, DepthController, LoadSignal, PassPeers, SharedAcceptance, make_controller
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +33,15 @@ def replica_key(session: Any) -> str:
 
 
 class CostModels:
-    """One CostModel and one SharedAcceptance per (target replica, drafting method), created on
-    first use: verify costs belong to the replica, draft costs and acceptance to the method."""
+    """One CostModel and one SharedAcceptance per (target replica, drafting method), and one
+    PassPeers per target replica, created on first use: verify costs belong to the replica, draft
+    costs and acceptance to the method, and the passes to the replica whatever each session's method."""
 
     def __init__(self, factory: Callable[[], CostModel] = CostModel):
         self._factory = factory
         self._models: dict[str, CostModel] = {}
         self._acceptance: dict[str, SharedAcceptance] = {}
+        self._peers: dict[str, PassPeers] = {}
         self._lock = threading.Lock()
 
     def get(self, key: str, method: str = "") -> CostModel:
@@ -54,6 +58,10 @@ class CostModels:
     def acceptance(self, key: str, method: str) -> SharedAcceptance:
         with self._lock:
             return self._acceptance.setdefault(f"{key}|{method}", SharedAcceptance())
+
+    def peers(self, key: str) -> PassPeers:
+        with self._lock:
+            return self._peers.setdefault(key, PassPeers())
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -77,7 +85,8 @@ class DepthPolicy:
 
     def controller(self, target: Any, method: str = "") -> DepthController:
         key = replica_key(target)
-        return make_controller(self.spec, self.k_max, self.costs.get(key, method), self.costs.acceptance(key, method))
+        return make_controller(self.spec, self.k_max, self.costs.get(key, method), self.costs.acceptance(key, method),
+                               self.costs.peers(key))
 
     def load(self, target: Any) -> LoadSignal | None:
         if self.monitor is None:
@@ -141,13 +150,13 @@ class LoadMonitor:
             return self._signals.get(key)
 
     def poll_once(self) -> None:
-        from specdec.v1 import common_pb2  # generated code: imported late so the module imports without it
+        from specdec.v1 import target_pb2  # generated code: imported late so the module imports without it
 
         for address, stub in list(self._replicas()):
             try:
-                stats = stub.GetStats(common_pb2.GetStatsRequest(), timeout=self.timeout_s)
-            except Exception:  # a replica that does not answer keeps its last signal
-                log.debug("GetStats failed for %s", address, exc_info=True)
+                stats = stub.GetStats(target_pb2.GetStatsRequest(), timeout=self.timeout_s)
+            except grpc.RpcError as exc:  # a replica that does not answer keeps its last signal
+                log.debug("GetStats failed for %s: %s", address, exc.code())
                 continue
             with self._lock:
                 self._signals[address] = LoadSignal(int(stats.queue_depth), int(stats.open_sessions))
@@ -158,4 +167,7 @@ class LoadMonitor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.poll_once()
+            try:
+                self.poll_once()
+            except Exception:  # a bug here must not end polling silently: say it, keep polling
+                log.warning("load monitor: polling the target replicas failed", exc_info=True)

@@ -251,8 +251,12 @@ class SpeculativeEngine:
                     gen.stats.record_step(len(proposal.tokens), outcome.num_accepted)
                     gen.stats.k_per_step.append(len(proposal.tokens))
                     if controller is not None:
-                        controller.observe(len(proposal.tokens), outcome.num_accepted, draft_s * 1000, verify_s * 1000,
-                                           getattr(outcome, "batch_size", 1))
+                        # The time in the replica's queue is left out: it is other work's (prefills
+                        # queued ahead, the pass before), and it would tilt the cost of this depth.
+                        service_ms = max(verify_s * 1000 - getattr(outcome, "queue_ms", 0.0), 0.0)
+                        controller.observe(len(proposal.tokens), outcome.num_accepted, draft_s * 1000, service_ms,
+                                           getattr(outcome, "batch_size", 1),
+                                           pass_block_length=getattr(outcome, "pass_block_length", 0))
                 if draft is not None:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)
@@ -260,6 +264,8 @@ class SpeculativeEngine:
                 yield out
         finally:
             gen.duration = time.perf_counter() - start
+            if controller is not None:
+                controller.close()
             if draft is not None:
                 draft.close()
             target.close()

@@ -142,9 +142,12 @@ class StepTelemetry:
 
 @dataclass
 class RemoteVerifyOutcome(VerifyOutcome):
-    """A verify result plus how many sessions shared its forward pass (for the cost model)."""
+    """A verify result plus how many sessions shared its forward pass and how long the block
+    waited in the replica's queue (for the cost model)."""
 
     batch_size: int = 1
+    queue_ms: float = 0.0
+    pass_block_length: int = 0  # positions per row of the pass (0: not reported)
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -226,7 +229,8 @@ class RemoteTargetSession:
         self._room = reply.context_room
         self.new_features = features_from_proto(reply.features) if reply.HasField("features") else None
         return RemoteVerifyOutcome(num_accepted=reply.num_accepted, tokens=list(reply.token_ids),
-                                   batch_size=max(int(reply.batch_size), 1))
+                                   batch_size=max(int(reply.batch_size), 1), queue_ms=max(float(reply.queue_ms), 0.0),
+                                   pass_block_length=int(reply.pass_block_length))
 
     def close(self) -> None:
         if not self.stream.closed:

@@ -122,3 +122,31 @@ def test_draining_refuses_new_sessions(tiny):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
     finally:
         handle.drain(0.5)
+
+
+def test_load_monitor_reads_a_real_targets_stats_and_seeds_the_cost_model(tiny):
+    """The coordinator's LoadMonitor polls GetStats: open sessions and queue depth become the
+    replica's LoadSignal, and the verify latencies already measured seed its cost model."""
+    from coordinator.depth import CostModels, LoadMonitor
+
+    servicer, handle = serve(tiny)
+    address = f"127.0.0.1:{handle.port}"
+    try:
+        with make_channel(address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            sessions = [Session(stub) for _ in range(2)]
+            for s in sessions:
+                s.open()
+                assert s.send(verify=target_pb2.VerifyBlock(draft_token_ids=[4, 5])).HasField("verified")
+            costs = CostModels()
+            monitor = LoadMonitor(lambda: [(address, stub)], costs)
+            assert monitor.load(address) is None
+            monitor.poll_once()
+            signal = monitor.load(address)
+            assert signal is not None and signal.open_sessions == 2 and signal.queue_depth == 0
+            assert {(b, n) for b, n, _, _ in costs.get(address).verify_table()} == {
+                (v.batch_size, v.block_length) for v in stats(stub).verify_latency}
+            for s in sessions:
+                s.close()
+    finally:
+        handle.drain(0.5)

@@ -12,12 +12,15 @@ from coordinator.controller import (
     CostModel,
     DepthController,
     LoadSignal,
+    PassPeers,
     SharedAcceptance,
     best_depth,
     depth_rates,
     expected_tokens,
     load_penalty,
     make_controller,
+    pass_alphas,
+    pass_rates,
 )
 
 K_MAX = 8
@@ -248,7 +251,9 @@ def test_cost_model_seed_from_stats() -> None:
     cm.seed_from_stats([SimpleNamespace(batch_size=8, block_length=1, count=3, mean_ms=50.0),
                         SimpleNamespace(batch_size=8, block_length=3, count=3, mean_ms=90.0)])
     assert cm.verify_ms(3, 1) == pytest.approx(35.0, rel=0.02)
-    assert cm.verify_ms(5, 8) == pytest.approx(130.0, rel=0.1)  # 3 samples a cell: the prior still counts
+    # 3 samples a cell: the fitted slope (20 ms a position, 130 ms at 5) is still pulled toward the
+    # slope batch size 1 measured, scaled by the rows (5 x 8 = 40 ms a position, 210 ms at 5)
+    assert 135.0 < cm.verify_ms(5, 8) < 200.0
     cm.observe_verify(1, 1, 35.0)  # a live sample blends in as 1 of 11
     assert 25.0 < cm.verify_ms(1, 1) < 27.0
 
@@ -403,3 +408,98 @@ def test_a_probe_that_drafted_nothing_is_repeated() -> None:
     assert off.choose() == off.probe_k
     off.observe(off.probe_k, off.probe_k, 0.0, simulated_verify_ms(off.probe_k + 1, 1), 1)
     assert off.choose() > 0  # the prompt's drafts are accepted: speculation comes on
+
+
+# the pass view --------------------------------------------------------------------------------
+
+
+def test_pass_rates_one_session_is_depth_rates_and_mixed_sessions_average() -> None:
+    verify = [simulated_verify_ms(k + 1, 4) for k in range(K_MAX + 1)]
+    assert pass_rates([0.7], lambda k: 1.0, verify, K_MAX) == depth_rates(0.7, lambda k: 1.0, verify, K_MAX)
+    mixed = pass_rates([0.9, 0.1], lambda k: 0.0, verify, K_MAX)
+    for k, rate in enumerate(mixed):
+        assert rate == pytest.approx((expected_tokens(k, 0.9) + expected_tokens(k, 0.1)) / 2 / verify[k])
+    with pytest.raises(ValueError):
+        pass_rates([], lambda k: 0.0, verify, K_MAX)
+
+
+def test_pass_alphas_fill_unknown_peers_with_the_known_mean() -> None:
+    assert pass_alphas(0.8, [0.2], 4) == [0.8, 0.2, 0.5, 0.5]
+    assert pass_alphas(0.8, [0.2, 0.4, 0.6], 2) == [0.8, 0.2, 0.4, 0.6]  # the registry is fresher than the count
+
+
+def test_peers_join_update_leave() -> None:
+    peers = PassPeers()
+    a, b = peers.join(0.5), peers.join(0.9)
+    peers.update(a, 0.1)
+    assert peers.others(b) == [0.1] and len(peers) == 2
+    peers.leave(a)
+    peers.update(a, 0.7)  # a session gone stays gone
+    assert peers.others(b) == [] and len(peers) == 1
+
+
+def controllers_on_one_replica(alphas: list[float], cm: CostModel) -> list[DepthController]:
+    peers = PassPeers()
+    return [DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=a, prior_weight=1000.0), peers=peers)
+            for a in alphas]
+
+
+def test_sessions_of_one_replica_agree_on_the_pass_depth() -> None:
+    """Eight sessions in one batch, one with poor acceptance among good ones: the pass is deep
+    anyway, so it drafts along (alone it would choose k = 0 at this batch size)."""
+    cm = simulated_cost_model()
+    load = LoadSignal(0, 8)
+    sessions = controllers_on_one_replica([0.05] + [0.95] * 7, cm)
+    ks = [s.target(load) for s in sessions]
+    assert len(set(ks)) == 1 and ks[0] >= 3, ks
+    alone = DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.05, prior_weight=1000.0))
+    assert alone.target(load) == 0
+
+
+def test_one_good_session_among_poor_ones_does_not_lengthen_the_pass_or_probe() -> None:
+    cm = simulated_cost_model()
+    load = LoadSignal(0, 16)
+    sessions = controllers_on_one_replica([0.2] * 15 + [0.95], cm)
+    for poor in sessions[:-1]:  # the poor ones have drafted: their acceptance is known
+        poor.observe(2, 0, 0.0, simulated_verify_ms(3, 16), 16)
+    good = sessions[-1]
+    assert good.target(load) == 0
+    alone = DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.95, prior_weight=1000.0))
+    assert alone.target(load) > 0
+    assert [good.choose(load) for _ in range(200)] == [0] * 200  # no probe could turn the pass's choice
+
+
+def test_a_closed_session_no_longer_counts() -> None:
+    cm = simulated_cost_model()
+    load = LoadSignal(0, 2)
+    poor, good = controllers_on_one_replica([0.05, 0.95], cm)
+    shared = good.target(load)
+    good.close()
+    assert poor.target(LoadSignal(0, 1)) == 0 and shared > 0
+
+
+def test_new_sessions_probe_together_and_a_known_batch_does_not() -> None:
+    """Eight new sessions whose shared prior says "off": none knows more than the others, so each
+    counts its unproven peers as optimistic and all probe at their first step (one long pass for
+    all, instead of none ever probing). Once they have drafted, their acceptance is known."""
+    cm = simulated_cost_model()
+    load = LoadSignal(0, 8)
+    shared = SharedAcceptance(alpha0=0.1)
+    peers = PassPeers()
+    sessions = [DepthController(K_MAX, cm, shared=shared, peers=peers) for _ in range(8)]
+    assert all(s.choose(load) > 0 for s in sessions)
+    for s in sessions:
+        s.observe(s.history[-1], 0, 0.0, simulated_verify_ms(3, 8), 8)
+    assert all(s.choose(load) == 0 for s in sessions)
+
+
+def test_a_batch_size_seen_only_at_one_block_length_borrows_its_slope() -> None:
+    """Batch 16 seen only without speculation: its cost per extra position comes from the batch
+    size where several block lengths were seen, scaled by the rows, not from the prior's guess."""
+    cm = CostModel()
+    for _ in range(20):
+        for n in range(1, 10):
+            cm.observe_verify(1, n, 62.0 + 4.0 * (n - 1))
+        cm.observe_verify(16, 1, 150.0)
+    assert cm.verify_ms(1, 16) == pytest.approx(150.0, rel=0.01)
+    assert cm.verify_ms(9, 16) == pytest.approx(150.0 + 8 * 4.0 * 16, rel=0.05)
