@@ -358,6 +358,7 @@ class CostModel:
         self.prior_points = prior_points
         self._verify: dict[int, dict[int, _Mean]] = {}
         self._draft: dict[int, _Mean] = {}
+        self._overhead = _Mean()  # ms per verify step outside the pass, when the replica reports its pass time
         self._lines: dict[int, tuple[float, float]] = {}
         self._lock = threading.Lock()
 
@@ -371,6 +372,13 @@ class CostModel:
             cell = self._verify.setdefault(batch_size, {}).setdefault(block_length, _Mean())
             cell.add(_clip(ms, cell), self.window)
             self._lines.clear()
+
+    def observe_overhead(self, ms: float) -> None:
+        """A verify step spent `ms` outside the replica's pass (the round trip): added to every
+        verify estimate, whatever the block length."""
+        if ms >= 0:
+            with self._lock:
+                self._overhead.add(_clip(ms, self._overhead), self.window)
 
     def observe_draft(self, k: int, ms: float) -> None:
         """Proposing k tokens took `ms` (k = 0 steps never call the draft and are ignored)."""
@@ -472,7 +480,8 @@ class CostModel:
         """Estimated time of a verify pass over `batch_size` rows of `block_length` positions."""
         with self._lock:
             intercept, slope = self._line(max(int(batch_size), 1))
-        return max(intercept + slope * (max(block_length, 1) - 1), 1e-3)
+            overhead = self._overhead.mean
+        return max(intercept + overhead + slope * (max(block_length, 1) - 1), 1e-3)
 
     def draft_ms(self, k: int) -> float:
         """Estimated time for the draft to propose k tokens (0 for k = 0)."""
@@ -680,12 +689,17 @@ class DepthController:
     # the policy, before hysteresis
 
     def _batch(self, load: LoadSignal | None) -> int:
-        b = load.batch_size if load is not None else self.batch_size
-        return max(b, len(self.peers) if self.peers is not None else 1)
+        """The rows this session's next pass will have. With a peer registry: the larger of the last
+        pass's batch and the sessions open here, both fresh at every step (the replica's polled
+        session count lags by up to a poll interval, and a burst that just ended would hold k down
+        for the next request); without one, the replica's polled load."""
+        if self.peers is not None:
+            return max(self.batch_size, len(self.peers))
+        return load.batch_size if load is not None else self.batch_size
 
     def _rates(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> list[float]:
         """Expected tokens/ms per depth; with `optimistic`, unproven peers count at least at it."""
-        b = load.batch_size if load is not None else self.batch_size
+        b = self._batch(load)
         alphas = pass_alphas(alpha, self.peers.others(self._peer, optimistic), b) if self.peers is not None else [alpha]
         b = max(b, len(alphas))
         penalty = load_penalty(load)
@@ -761,7 +775,7 @@ class DepthController:
         self._pending_side = self._pending_steps = 0
 
     def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int,
-                pass_block_length: int = 0) -> None:
+                pass_block_length: int = 0, compute_ms: float | None = None) -> None:
         """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size,
         and the positions per row of its pass (the longest block in the batch, which is what the
         pass cost; 0 when the target did not say, then this block's k + 1).
@@ -769,7 +783,13 @@ class DepthController:
         A draft shorter than asked (an n-gram proposer whose match ran out) is judged on what it
         drafted: its missing positions cost no verify work either, so asking deep stays cheap
         where matches are short. A probe whose draft came back empty (no match yet) taught
-        nothing: it is not judged, and the next step probes again."""
+        nothing: it is not judged, and the next step probes again.
+
+        With `compute_ms` (the pass's time as the replica measured it), the verify cell gets the
+        compute time and the rest of `verify_ms` (the round trip, the coordinator's own work) goes
+        to the cost model's per-step overhead: that part does not grow with the block, and under
+        load it swings by tens of ms, which in a cell seen only a few times tilted the line's
+        slope several-fold (a rare long block at batch 1 during a busy spell)."""
         if self._probed and k == 0:
             self._probed = False
             self._idle_steps = self._interval
@@ -781,7 +801,12 @@ class DepthController:
             self.shared.update(k, num_accepted)
         if k > 0:
             self.cost_model.observe_draft(k, draft_ms)
-        self.cost_model.observe_verify(batch_size, max(pass_block_length, k + 1), verify_ms)
+        block = max(pass_block_length, k + 1)
+        if compute_ms is None:
+            self.cost_model.observe_verify(batch_size, block, verify_ms)
+        else:
+            self.cost_model.observe_verify(batch_size, block, compute_ms)
+            self.cost_model.observe_overhead(max(verify_ms - compute_ms, 0.0))
         self.batch_size = max(int(batch_size), 1)
 
     def close(self) -> None:

@@ -256,7 +256,8 @@ class SpeculativeEngine:
                         service_ms = max(verify_s * 1000 - getattr(outcome, "queue_ms", 0.0), 0.0)
                         controller.observe(len(proposal.tokens), outcome.num_accepted, draft_s * 1000, service_ms,
                                            getattr(outcome, "batch_size", 1),
-                                           pass_block_length=getattr(outcome, "pass_block_length", 0))
+                                           pass_block_length=getattr(outcome, "pass_block_length", 0),
+                                           compute_ms=getattr(outcome, "compute_ms", None))
                 if draft is not None:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)

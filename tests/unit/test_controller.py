@@ -503,3 +503,20 @@ def test_a_batch_size_seen_only_at_one_block_length_borrows_its_slope() -> None:
         cm.observe_verify(16, 1, 150.0)
     assert cm.verify_ms(1, 16) == pytest.approx(150.0, rel=0.01)
     assert cm.verify_ms(9, 16) == pytest.approx(150.0 + 8 * 4.0 * 16, rel=0.05)
+
+
+def test_round_trip_time_goes_to_the_overhead_not_the_slope() -> None:
+    """A long block seen once during a busy spell (a slow round trip): with the replica's pass
+    time reported, the slope stays the pass's and the round trip lands in every estimate alike."""
+    controller = DepthController(K_MAX, CostModel())
+    for _ in range(30):
+        controller.observe(0, 0, 0.0, 62.0 + 5.0, 1, pass_block_length=1, compute_ms=62.0)
+    controller.observe(2, 2, 0.0, 70.0 + 45.0, 1, pass_block_length=3, compute_ms=70.0)
+    cm = controller.cost_model
+    assert cm.verify_ms(3, 1) - cm.verify_ms(1, 1) == pytest.approx(8.0, abs=2.0)
+    assert cm.verify_ms(1, 1) > 62.0 + 5.0
+    blind = DepthController(K_MAX, CostModel())  # the same steps timed only from the coordinator
+    for _ in range(30):
+        blind.observe(0, 0, 0.0, 62.0 + 5.0, 1)
+    blind.observe(2, 2, 0.0, 70.0 + 45.0, 1)
+    assert blind.cost_model.verify_ms(3, 1) - blind.cost_model.verify_ms(1, 1) > 20.0
