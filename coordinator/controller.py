@@ -419,8 +419,16 @@ class CostModel:
         least-squares slope shrunk toward the prior's slope scaled to the cells' level, with the
         prior counting as `prior_points` samples: a few noisy samples (a pass that shared the
         cores with something else) cannot tilt the line wildly, many samples outweigh the prior.
-        One cell alone gives the prior's shape through it."""
+        One cell alone gives the prior's shape through it.
+
+        The line is fitted to the blocks of two or more positions when any were seen: a one-token
+        pass takes the model's decode path, and on this project's CPU machines a block of 2 cost
+        about 25 ms more than one of 1 at batch 1 while 9 cost little more than 2 (65, ~90, ~100
+        ms), so a line through 1 and 3 predicted 9 at twice its cost. `verify_ms(1, b)` reads the
+        one-token cell itself."""
         cells = self._verify[b]
+        if any(n >= 2 for n in cells):
+            cells = {n: c for n, c in cells.items() if n >= 2}
         c0, m0 = self._prior_line(b)
         points = [(float(n), c.mean, c.weight(self.window)) for n, c in cells.items()]
         total = sum(w for _, _, w in points)
@@ -478,10 +486,14 @@ class CostModel:
 
     def verify_ms(self, block_length: int, batch_size: int = 1) -> float:
         """Estimated time of a verify pass over `batch_size` rows of `block_length` positions."""
+        b, n = max(int(batch_size), 1), max(block_length, 1)
         with self._lock:
-            intercept, slope = self._line(max(int(batch_size), 1))
             overhead = self._overhead.mean
-        return max(intercept + overhead + slope * (max(block_length, 1) - 1), 1e-3)
+            single = self._verify.get(b, {}).get(1) if n == 1 else None
+            if single is not None:
+                return max(single.mean + overhead, 1e-3)
+            intercept, slope = self._line(b)
+        return max(intercept + overhead + slope * (n - 1), 1e-3)
 
     def draft_ms(self, k: int) -> float:
         """Estimated time for the draft to propose k tokens (0 for k = 0)."""
@@ -504,6 +516,10 @@ class CostModel:
 # ---------------------------------------------------------------------------------------------
 
 MODES = ("auto", "fixed", "schedule")
+# A session's first re-probe comes this many steps after its first probe, then the interval
+# doubles up to probe_interval and on: an answer often starts unlike its prompt (a code edit opens with prose or a fence
+# before it copies), and a first probe there would otherwise keep a 32-token request off to its end.
+PROBE_FIRST_INTERVAL = 4
 
 
 class SharedAcceptance:
@@ -681,7 +697,8 @@ class DepthController:
         self.batch_size = 1  # of the last verify pass, used when choose() gets no load
         self._pending_side = 0
         self._pending_steps = 0
-        self._interval = probe_interval
+        # short while the session knows little: doubled when its first probe is judged
+        self._interval = max(min(PROBE_FIRST_INTERVAL, probe_interval) // 2, 1)
         self._idle_steps = 0
         self._probed = False
         self._drafted = False  # has any step of this session drafted yet

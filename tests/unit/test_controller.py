@@ -250,10 +250,13 @@ def test_cost_model_seed_from_stats() -> None:
     cm.seed_from_stats([(1, 1, 10, 25.0), (1, 5, 10, 45.0)])
     cm.seed_from_stats([SimpleNamespace(batch_size=8, block_length=1, count=3, mean_ms=50.0),
                         SimpleNamespace(batch_size=8, block_length=3, count=3, mean_ms=90.0)])
-    assert cm.verify_ms(3, 1) == pytest.approx(35.0, rel=0.02)
-    # 3 samples a cell: the fitted slope (20 ms a position, 130 ms at 5) is still pulled toward the
-    # slope batch size 1 measured, scaled by the rows (5 x 8 = 40 ms a position, 210 ms at 5)
-    assert 135.0 < cm.verify_ms(5, 8) < 200.0
+    # one-token blocks read their own cell; longer ones a line through the cells of 2 or more
+    # positions (one here: block 5), with the slope another batch size measured, scaled by the
+    # rows (batch 8: 20 ms a position over 8 rows, 2.5 at batch 1)
+    assert cm.verify_ms(1, 1) == pytest.approx(25.0)
+    assert cm.verify_ms(3, 1) == pytest.approx(40.0, rel=0.02)
+    # and batch 8: its one long block (3) with batch 1's slope times 8 (5 x 8 = 40 ms a position)
+    assert cm.verify_ms(5, 8) == pytest.approx(170.0, rel=0.02)
     cm.observe_verify(1, 1, 35.0)  # a live sample blends in as 1 of 11
     assert 25.0 < cm.verify_ms(1, 1) < 27.0
 
@@ -392,7 +395,7 @@ def test_new_sessions_start_from_the_shared_acceptance() -> None:
     off = make_controller("auto", K_MAX, cm, useless)
     assert off.choose() == off.probe_k  # one probe: the shared rate came from other prompts
     off.observe(off.probe_k, 0, 0.0, simulated_verify_ms(off.probe_k + 1, 1), 1)
-    assert [off.choose() for _ in range(10)] == [0] * 10
+    assert [off.choose() for _ in range(3)] == [0] * 3  # then an early re-probe (the answer may start unlike its prompt)
     assert make_controller("auto", K_MAX, cm, excellent).choose() >= 6
     session = make_controller("auto", K_MAX, cm, useless)
     run_session(session, [0.0] * 20)
@@ -520,3 +523,24 @@ def test_round_trip_time_goes_to_the_overhead_not_the_slope() -> None:
         blind.observe(0, 0, 0.0, 62.0 + 5.0, 1)
     blind.observe(2, 2, 0.0, 70.0 + 45.0, 1)
     assert blind.cost_model.verify_ms(3, 1) - blind.cost_model.verify_ms(1, 1) > 20.0
+
+
+def test_a_one_token_pass_is_priced_apart_from_longer_blocks() -> None:
+    """Batch 1 on a CPU: one token 65 ms, two ~90, nine ~100 (the decode path is cheaper than the
+    masked one). A line through all blocks would put nine at far more than it costs."""
+    cm = CostModel()
+    for _ in range(20):
+        for n, ms in ((1, 65.0), (3, 92.0), (5, 95.0), (9, 101.0)):
+            cm.observe_verify(1, n, ms)
+    assert cm.verify_ms(1, 1) == pytest.approx(65.0)
+    assert cm.verify_ms(9, 1) == pytest.approx(101.0, rel=0.03)
+    assert cm.verify_ms(2, 1) == pytest.approx(90.5, rel=0.03)
+
+
+def test_a_failed_first_probe_is_retried_soon_then_less_often() -> None:
+    off = make_controller("auto", K_MAX, simulated_cost_model(), SharedAcceptance(alpha0=0.02))
+    history = run_session(off, [0.0] * 80)
+    probes = [t for t, k in enumerate(history) if k > 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 0 and gaps[0] == 4, probes
+    assert all(b >= a for a, b in zip(gaps, gaps[1:])), gaps
