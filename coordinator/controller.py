@@ -334,8 +334,8 @@ class CostModel:
     a fixed pass cost that grows slowly with the batch (weights are read once per pass; on this
     project's CPU machines a batch of 8 costs about twice one row) and a cost per extra position
     and row (compute; measured there: 4 ms a position against a 62 ms pass at batch 1, about 45
-    against 150 at batch 16, so the default is 2 against 30). draft_ms(k): a line in k through the observed k (proportional to k with one
-    point), else `draft_per_token_ms * k`; 0 at k = 0. Means become moving averages after `window`
+    against 150 at batch 16, so the default is 2 against 30). draft_ms(k): a line in k through
+    the observed k (proportional to k with one point), else `draft_per_token_ms * k`; 0 at k = 0. Means become moving averages after `window`
     samples so the model follows drift (thermal throttling, neighbours, cache growth).
 
     One instance serves all sessions on a replica, from their threads: a lock guards it.
@@ -517,7 +517,7 @@ class CostModel:
 
 MODES = ("auto", "fixed", "schedule")
 # A session's first re-probe comes this many steps after its first probe, then the interval
-# doubles up to probe_interval and on: an answer often starts unlike its prompt (a code edit opens with prose or a fence
+# doubles: an answer often starts unlike its prompt (a code edit opens with prose or a fence
 # before it copies), and a first probe there would otherwise keep a 32-token request off to its end.
 PROBE_FIRST_INTERVAL = 4
 
@@ -619,9 +619,9 @@ class DepthController:
     Re-probing: while the session sits at k = 0, nothing about acceptance is learnt. A session
     whose start comes from a `SharedAcceptance` saying "off" probes at its first step where a
     probe could pay (the shared rate comes from other prompts; acceptance is a property of this
-    one). Then, every
-    `probe_interval` steps it drafts `probe_k` tokens once; if acceptance still does not pay, the
-    interval doubles, up to `probe_max_interval`, and it resets when speculation comes back. A
+    one). Its first re-probe comes PROBE_FIRST_INTERVAL steps later; while acceptance still does
+    not pay the interval doubles, up to `probe_max_interval`, and it restarts at `probe_interval`
+    once speculation has come back. A
     session probes only when k = 0 is down to acceptance: when good acceptance would not pay
     either (load, costs, a schedule entry of 0), there is nothing to learn. Between probes a k = 0
     session does no draft work.
@@ -714,16 +714,17 @@ class DepthController:
             return max(self.batch_size, len(self.peers))
         return load.batch_size if load is not None else self.batch_size
 
-    def _rates(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> list[float]:
-        """Expected tokens/ms per depth; with `optimistic`, unproven peers count at least at it."""
+    def _rates(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> tuple[list[float], int]:
+        """Expected tokens/ms per depth, and the pass's rows they assume; with `optimistic`,
+        unproven peers count at least at it."""
         b = self._batch(load)
         alphas = pass_alphas(alpha, self.peers.others(self._peer, optimistic), b) if self.peers is not None else [alpha]
-        b = max(b, len(alphas))
+        b = len(alphas) if self.peers is not None else b  # pass_alphas fills up to b, known peers beyond it count
         penalty = load_penalty(load)
         cm = self.cost_model
         base = cm.verify_ms(1, b)
         verify = [base + penalty * (cm.verify_ms(k + 1, b) - base) for k in range(self.k_max + 1)]
-        return pass_rates(alphas, cm.draft_ms, verify, self.k_max)
+        return pass_rates(alphas, cm.draft_ms, verify, self.k_max), b
 
     def _policy(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> int:
         """The mode's choice for acceptance `alpha`, ignoring the floor."""
@@ -732,10 +733,11 @@ class DepthController:
         if self.mode == "fixed":
             return int(self.fixed_k)  # type: ignore[arg-type]
         if self.mode == "schedule":
-            b = load.batch_size if load is not None else self.batch_size
+            b = self._batch(load)
             keys = [key for key in self.schedule if key <= b]
             return self.schedule[keys[-1] if keys else next(iter(self.schedule))]
-        return _argbest(self._rates(alpha, load, optimistic), batch_margin(self.margin, self._batch(load)))
+        rates, b = self._rates(alpha, load, optimistic)
+        return _argbest(rates, batch_margin(self.margin, b))
 
     def target(self, load: LoadSignal | None = None) -> int:
         """The depth the policy wants now (floor included, hysteresis and probing not)."""
@@ -764,7 +766,7 @@ class DepthController:
             self._pending_side = side
             better = False
             if self.mode == "auto":
-                rates = self._rates(self.estimator.alpha, load)
+                rates, _ = self._rates(self.estimator.alpha, load)
                 better = rates[target] > rates[self.k] * (1.0 + self.switch_margin)
             if better or self._pending_steps >= self.switch_after:
                 self._commit(target)
@@ -813,7 +815,7 @@ class DepthController:
         self._drafted = self._drafted or k > 0
         self.estimator.update(k, num_accepted)
         if self.peers is not None:
-            self.peers.update(self._peer, self.estimator.alpha, proven=self.estimator.weight > self.estimator.prior_weight)
+            self.peers.update(self._peer, self.estimator.alpha, proven=self._drafted)
         if self.shared is not None and k > 0:
             self.shared.update(k, num_accepted)
         if k > 0:
