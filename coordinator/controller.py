@@ -13,7 +13,8 @@ better spent not drafting (draft compute, wire traffic, KV rollback).
 
 The pieces, each small and testable alone:
 
-- pure functions: `expected_tokens`, `depth_rates`, `pass_rates`, `best_depth`, `load_penalty`;
+- pure functions: `expected_tokens`, `depth_rates`, `pass_rates` (with each session's fill, the
+  share of the asked tokens its proposer drafts), `pass_sessions`, `best_depth`, `load_penalty`;
 - `AcceptanceEstimator`: per-session acceptance, a moving average per draft position;
 - `CostModel`: per-replica draft and verify costs measured online (one per target replica, shared
   by its sessions);
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -44,6 +46,7 @@ __all__ = [
     "make_controller",
     "pass_alphas",
     "pass_rates",
+    "pass_sessions",
 ]
 
 Costs = Callable[[int], float] | Sequence[float]
@@ -88,9 +91,10 @@ def depth_rates(alpha: float, draft_cost_ms: Costs, verify_cost_ms: Costs, k_max
     return pass_rates([alpha], draft_cost_ms, verify_cost_ms, k_max)
 
 
-def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Costs, k_max: int) -> list[float]:
+def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Costs, k_max: int,
+               fills: Sequence[float] | None = None) -> list[float]:
     """Expected tokens per millisecond and per session, for every k in 0..k_max, of a batched pass
-    whose sessions have acceptances `alphas` and all draft k tokens.
+    whose sessions have acceptances `alphas` and all ask for k draft tokens.
 
     A batched verify pads every row to the longest block, so a pass costs verify_cost_ms(k) for
     its longest block whoever drafted it: one session going deep makes every row pay for k + 1
@@ -98,15 +102,35 @@ def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Co
     The pool therefore gets the most tokens per ms from one depth for the whole pass, the one
     maximizing sum_i E(k, a_i) / cost(k); this returns that sum's mean, so that one alpha gives
     `depth_rates`. Costs are indexed by depth as there.
+
+    `fills` (default all 1): per session, the share of the asked tokens its proposer drafts. An
+    n-gram or suffix proposer offers nothing where its context has no match (on chat prompts about
+    half the steps), and the acceptance rate is counted over drafted tokens only. A session with
+    fill f gains f (E(k, a) - 1) tokens over plain decoding, while the pass is padded to k + 1
+    positions as soon as any one row drafted: it costs verify(k) with probability
+    1 - prod(1 - f_i) and verify(0) otherwise. Alone (b = 1) an empty draft is free; in a batch of
+    twelve, someone nearly always drafts, and every row pays for drafts that half of them lack.
     """
     if not alphas:
         raise ValueError("pass_rates needs at least one session's acceptance")
+    if fills is not None and len(fills) != len(alphas):
+        raise ValueError(f"pass_rates got {len(fills)} fills for {len(alphas)} sessions")
     draft = _cost_list(draft_cost_ms, k_max)
     verify = _cost_list(verify_cost_ms, k_max)
+    # E(k, a) = E(k - 1, a) + a^k: one multiplication per session and depth (this runs at every
+    # step of every session, on the coordinator's cores that a CPU target shares).
+    clipped = [min(max(float(a), 0.0), 1.0) for a in alphas]
+    shares = [1.0] * len(clipped) if fills is None else [min(max(float(f), 0.0), 1.0) for f in fills]
+    none_drafts = math.prod(1.0 - f for f in shares)
+    powers = [1.0] * len(clipped)
+    gain = 0.0  # sum over sessions of f_i (E(k, a_i) - 1)
     rates = []
     for k in range(k_max + 1):
-        cost = verify[k] + (draft[k] if k > 0 else 0.0)
-        tokens = sum(expected_tokens(k, a) for a in alphas) / len(alphas)
+        if k > 0:
+            powers = [p * a for p, a in zip(powers, clipped)]
+            gain += sum(f * p for f, p in zip(shares, powers))
+        tokens = 1.0 + gain / len(clipped)
+        cost = verify[0] if k == 0 else (1.0 - none_drafts) * verify[k] + none_drafts * verify[0] + draft[k]
         rates.append(tokens / cost if cost > 0 else math.inf)
     return rates
 
@@ -360,6 +384,7 @@ class CostModel:
         self._draft: dict[int, _Mean] = {}
         self._overhead = _Mean()  # ms per verify step outside the pass, when the replica reports its pass time
         self._lines: dict[int, tuple[float, float]] = {}
+        self._draft_line: tuple[float, float] | None = None
         self._lock = threading.Lock()
 
     # observations
@@ -386,6 +411,7 @@ class CostModel:
             with self._lock:
                 cell = self._draft.setdefault(k, _Mean())
                 cell.add(_clip(ms, cell), DRAFT_WINDOW)
+                self._draft_line = None
 
     def verify_table(self) -> list[tuple[int, int, int, float]]:
         """The observed verify cells as (batch_size, block_length, count, mean_ms) rows."""
@@ -500,15 +526,22 @@ class CostModel:
         if k <= 0:
             return 0.0
         with self._lock:
-            points = [(float(j), c.mean, c.weight(self.window)) for j, c in self._draft.items()]
+            if self._draft_line is None:
+                self._draft_line = self._fit_draft()
+            c, m = self._draft_line
+        return max(c + m * (k - 1), 0.0)
+
+    def _fit_draft(self) -> tuple[float, float]:
+        """(cost at k = 1, cost per extra token) of the draft: a line through the observed k,
+        proportional to k through a single one, the prior with none."""
+        points = [(float(j), c.mean, c.weight(self.window)) for j, c in self._draft.items()]
         if not points:
-            return self.prior_draft_per_token_ms * k
+            return self.prior_draft_per_token_ms, self.prior_draft_per_token_ms
         line = _fit_line(points)
         if line is None:
             j, mean, _ = points[0]
-            return mean * k / j
-        c, m = line  # c is the cost at k = 1
-        return max(c + m * (k - 1), 0.0)
+            return mean / j, mean / j
+        return line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,6 +553,12 @@ MODES = ("auto", "fixed", "schedule")
 # doubles: an answer often starts unlike its prompt (a code edit opens with prose or a fence
 # before it copies), and a first probe there would otherwise keep a 32-token request off to its end.
 PROBE_FIRST_INTERVAL = 4
+# Sessions of a method that must have ended before their acceptance says whether early probes pay.
+MIN_SESSIONS = 4
+# A session's fill (share of the asked draft tokens its proposer drafted) starts at 1 with this
+# many samples' weight, and follows the last FILL_WINDOW steps that asked for a draft.
+FILL_PRIOR = 2.0
+FILL_WINDOW = 16.0
 
 
 class SharedAcceptance:
@@ -528,14 +567,36 @@ class SharedAcceptance:
     the last hundred requests already showed (a useless draft is off from the first step; a
     good one starts deep). Thread-safe; sessions still adapt to their own prompt from there."""
 
-    def __init__(self, alpha0: float = 0.5, window: float = 256.0, lo: float = 0.02, hi: float = 0.98):
+    def __init__(self, alpha0: float = 0.5, window: float = 256.0, lo: float = 0.02, hi: float = 0.98,
+                 sessions_kept: int = 32):
         self._estimator = AcceptanceEstimator(alpha0=alpha0, window=window)
+        self._sessions: deque[float] = deque(maxlen=sessions_kept)
         self._lock = threading.Lock()
         self.lo, self.hi = lo, hi
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         with self._lock:
             self._estimator.update(num_drafted, num_accepted)
+
+    def report_session(self, alpha: float) -> None:
+        """A session that drafted ended with acceptance `alpha`."""
+        with self._lock:
+            self._sessions.append(float(alpha))
+
+    def best_sessions(self) -> float | None:
+        """How well the best recent sessions accepted: the 90th percentile (nearest rank) of the
+        last `sessions_kept` sessions that drafted; None while fewer than MIN_SESSIONS have.
+
+        The pooled `alpha` is a mean over prompts, and acceptance belongs to the prompt: a mix
+        where one request in five is a code edit has a low mean and sessions that pay well. The
+        upper tail says whether any prompt of this method has been worth speculating on lately,
+        which is what decides if a new session's early probes are worth their cost (not for a
+        draft that no prompt accepts)."""
+        with self._lock:
+            if len(self._sessions) < MIN_SESSIONS:
+                return None
+            ranked = sorted(self._sessions)
+        return ranked[min(math.ceil(0.9 * len(ranked)), len(ranked)) - 1]
 
     @property
     def alpha(self) -> float:
@@ -559,7 +620,7 @@ class PassPeers:
     """
 
     def __init__(self) -> None:
-        self._alphas: dict[int, tuple[float, bool]] = {}  # handle -> (acceptance, proven)
+        self._alphas: dict[int, tuple[float, bool, float]] = {}  # handle -> (acceptance, proven, fill)
         self._next = 0
         self._lock = threading.Lock()
 
@@ -567,13 +628,13 @@ class PassPeers:
         """A session opens; returns its handle."""
         with self._lock:
             self._next += 1
-            self._alphas[self._next] = (alpha, False)
+            self._alphas[self._next] = (alpha, False, 1.0)
             return self._next
 
-    def update(self, handle: int, alpha: float, proven: bool = True) -> None:
+    def update(self, handle: int, alpha: float, proven: bool = True, fill: float = 1.0) -> None:
         with self._lock:
             if handle in self._alphas:
-                self._alphas[handle] = (alpha, proven)
+                self._alphas[handle] = (alpha, proven, fill)
 
     def leave(self, handle: int) -> None:
         with self._lock:
@@ -581,9 +642,13 @@ class PassPeers:
 
     def others(self, handle: int, optimistic: float | None = None) -> list[float]:
         """The acceptance of every session but `handle`; unproven ones at least `optimistic`."""
+        return [a for a, _ in self.others_with_fills(handle, optimistic)]
+
+    def others_with_fills(self, handle: int, optimistic: float | None = None) -> list[tuple[float, float]]:
+        """(acceptance, fill) of every session but `handle`, as `others`."""
         with self._lock:
-            return [max(a, optimistic) if optimistic is not None and not proven else a
-                    for h, (a, proven) in self._alphas.items() if h != handle]
+            return [(max(a, optimistic) if optimistic is not None and not proven else a, fill)
+                    for h, (a, proven, fill) in self._alphas.items() if h != handle]
 
     def __len__(self) -> int:
         with self._lock:
@@ -599,6 +664,15 @@ def pass_alphas(own: float, others: Sequence[float], batch_size: int) -> list[fl
     known = [own, *others]
     missing = max(int(batch_size) - len(known), 0)
     return known + [sum(known) / len(known)] * missing
+
+
+def pass_sessions(own: tuple[float, float], others: Sequence[tuple[float, float]],
+                  batch_size: int) -> tuple[list[float], list[float]]:
+    """`pass_alphas` for (acceptance, fill) pairs: the pass's acceptances and fills, unknown
+    peers at the known sessions' means."""
+    alphas = pass_alphas(own[0], [a for a, _ in others], batch_size)
+    fills = pass_alphas(own[1], [f for _, f in others], batch_size)
+    return alphas, fills
 
 
 class DepthController:
@@ -621,7 +695,9 @@ class DepthController:
     probe could pay (the shared rate comes from other prompts; acceptance is a property of this
     one). Its first re-probe comes PROBE_FIRST_INTERVAL steps later; while acceptance still does
     not pay the interval doubles, up to `probe_max_interval`, and it restarts at `probe_interval`
-    once speculation has come back. A
+    once speculation has come back. The first probe and the early re-probes are kept for methods
+    some of whose recent prompts paid at this load (`SharedAcceptance.best_sessions`); when none
+    did (a useless draft), a session waits `probe_interval` steps before any probe. A
     session probes only when k = 0 is down to acceptance: when good acceptance would not pay
     either (load, costs, a schedule entry of 0), there is nothing to learn. Between probes a k = 0
     session does no draft work.
@@ -702,6 +778,8 @@ class DepthController:
         self._idle_steps = 0
         self._probed = False
         self._drafted = False  # has any step of this session drafted yet
+        self.fill = _Mean(1.0, FILL_PRIOR)  # share of the asked draft tokens the proposer drafted
+        self._closed = False
 
     # the policy, before hysteresis
 
@@ -718,13 +796,17 @@ class DepthController:
         """Expected tokens/ms per depth, and the pass's rows they assume; with `optimistic`,
         unproven peers count at least at it."""
         b = self._batch(load)
-        alphas = pass_alphas(alpha, self.peers.others(self._peer, optimistic), b) if self.peers is not None else [alpha]
-        b = len(alphas) if self.peers is not None else b  # pass_alphas fills up to b, known peers beyond it count
+        if self.peers is not None:
+            own = (alpha, self.fill.mean)
+            alphas, fills = pass_sessions(own, self.peers.others_with_fills(self._peer, optimistic), b)
+            b = len(alphas)  # pass_sessions fills up to b, known peers beyond it count
+        else:
+            alphas, fills = [alpha], [self.fill.mean]
         penalty = load_penalty(load)
         cm = self.cost_model
         base = cm.verify_ms(1, b)
         verify = [base + penalty * (cm.verify_ms(k + 1, b) - base) for k in range(self.k_max + 1)]
-        return pass_rates(alphas, cm.draft_ms, verify, self.k_max), b
+        return pass_rates(alphas, cm.draft_ms, verify, self.k_max, fills), b
 
     def _policy(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> int:
         """The mode's choice for acceptance `alpha`, ignoring the floor."""
@@ -776,14 +858,25 @@ class DepthController:
             self._idle_steps += 1
             optimistic = max(self.estimator.alpha, self.probe_alpha)
             # The shared prior is no evidence about this prompt: until the session has drafted, it
-            # probes at the first step where a probe could pay (not while load rules it out).
-            first = self.shared is not None and not self._drafted
-            if (first or self._idle_steps >= self._interval) and self._policy(optimistic, load, optimistic) > 0:
+            # probes at the first step where a probe could pay (not while load rules it out), and
+            # again soon after, as long as some recent prompt of this method was worth it.
+            early = self._early_probes_pay(load)
+            first = early and self.shared is not None and not self._drafted
+            interval = self._interval if early else max(self._interval, self.probe_interval)
+            if (first or self._idle_steps >= interval) and self._policy(optimistic, load, optimistic) > 0:
                 self._idle_steps = 0
                 self._probed = True
                 k = self.probe_k
         self.history.append(k)
         return k
+
+    def _early_probes_pay(self, load: LoadSignal | None) -> bool:
+        """Whether the best recent sessions of this method (`SharedAcceptance.best_sessions`)
+        accepted well enough that speculation would pay at this load. If none did (a useless
+        draft, or a batch too large for what this method's prompts accept), a new session's first
+        and early probes are not worth their cost, and it probes at the regular interval only."""
+        best = self.shared.best_sessions() if self.shared is not None else None
+        return best is None or self._policy(best, load, best) > 0
 
     def _commit(self, k: int) -> None:
         if k != self.k:
@@ -794,15 +887,17 @@ class DepthController:
         self._pending_side = self._pending_steps = 0
 
     def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int,
-                pass_block_length: int = 0, compute_ms: float | None = None) -> None:
+                pass_block_length: int = 0, compute_ms: float | None = None, requested: int | None = None) -> None:
         """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size,
         and the positions per row of its pass (the longest block in the batch, which is what the
         pass cost; 0 when the target did not say, then this block's k + 1).
 
         A draft shorter than asked (an n-gram proposer whose match ran out) is judged on what it
-        drafted: its missing positions cost no verify work either, so asking deep stays cheap
-        where matches are short. A probe whose draft came back empty (no match yet) taught
-        nothing: it is not judged, and the next step probes again.
+        drafted: acceptance counts drafted tokens only. `requested` (the depth asked for) feeds
+        the session's fill, the share of asked tokens that were drafted: alone, the missing
+        positions cost no verify work, but in a batch the pass is padded to its longest block
+        whoever lacked a draft (`pass_rates`). A probe whose draft came back empty (no match yet)
+        taught nothing about acceptance: it is not judged, and the next step probes again.
 
         With `compute_ms` (the pass's time as the replica measured it), the verify cell gets the
         compute time and the rest of `verify_ms` (the round trip, the coordinator's own work) goes
@@ -814,8 +909,10 @@ class DepthController:
             self._idle_steps = self._interval
         self._drafted = self._drafted or k > 0
         self.estimator.update(k, num_accepted)
+        if requested:
+            self.fill.add(min(k / requested, 1.0), FILL_WINDOW)
         if self.peers is not None:
-            self.peers.update(self._peer, self.estimator.alpha, proven=self._drafted)
+            self.peers.update(self._peer, self.estimator.alpha, proven=self._drafted, fill=self.fill.mean)
         if self.shared is not None and k > 0:
             self.shared.update(k, num_accepted)
         if k > 0:
@@ -829,9 +926,13 @@ class DepthController:
         self.batch_size = max(int(batch_size), 1)
 
     def close(self) -> None:
-        """The session ended: its acceptance no longer counts in its peers' passes."""
+        """The session ended: its acceptance no longer counts in its peers' passes, and if it
+        drafted, it joins the method's record of recent sessions."""
         if self.peers is not None:
             self.peers.leave(self._peer)
+        if self.shared is not None and self._drafted and not self._closed:
+            self.shared.report_session(self.estimator.alpha)
+        self._closed = True
 
 
 

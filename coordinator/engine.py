@@ -257,7 +257,7 @@ class SpeculativeEngine:
                         controller.observe(len(proposal.tokens), outcome.num_accepted, draft_s * 1000, service_ms,
                                            getattr(outcome, "batch_size", 1),
                                            pass_block_length=getattr(outcome, "pass_block_length", 0),
-                                           compute_ms=getattr(outcome, "compute_ms", None))
+                                           compute_ms=getattr(outcome, "compute_ms", None), requested=k)
                 if draft is not None:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)

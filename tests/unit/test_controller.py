@@ -21,6 +21,7 @@ from coordinator.controller import (
     make_controller,
     pass_alphas,
     pass_rates,
+    pass_sessions,
 )
 
 K_MAX = 8
@@ -544,3 +545,96 @@ def test_a_failed_first_probe_is_retried_soon_then_less_often() -> None:
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == 0 and gaps[0] == 4, probes
     assert all(b >= a for a, b in zip(gaps, gaps[1:])), gaps
+
+
+def shared_after_sessions(alphas: list[float]) -> SharedAcceptance:
+    """A method's shared acceptance after sessions that drafted ended with these acceptances."""
+    shared = SharedAcceptance(alpha0=0.02)
+    for a in alphas:
+        shared.report_session(a)
+    return shared
+
+
+def test_best_sessions_is_the_upper_tail_of_recent_sessions() -> None:
+    assert shared_after_sessions([0.9] * 3).best_sessions() is None  # too few sessions to say
+    assert shared_after_sessions([0.01] * 28 + [0.9] * 4).best_sessions() == 0.9  # one prompt in eight pays
+    assert shared_after_sessions([0.9] + [0.01] * 31).best_sessions() == 0.01  # one lucky session does not count
+    assert shared_after_sessions([0.9] * 32 + [0.01] * 32).best_sessions() == 0.01  # only the last 32 are kept
+
+
+def test_a_draft_no_recent_prompt_accepted_probes_only_at_the_regular_interval() -> None:
+    """A useless draft (every recent session ended near 0): a new session does not spend its first
+    steps on probes, which were the main cost of a useless draft on short requests."""
+    useless = shared_after_sessions([0.01] * 32)
+    off = make_controller("auto", K_MAX, simulated_cost_model(), useless)
+    probes = [t for t, k in enumerate(run_session(off, [0.0] * 80)) if k > 0]
+    assert probes and probes[0] >= off.probe_interval - 1, probes
+    assert all(b - a >= off.probe_interval for a, b in zip(probes, probes[1:])), probes
+    mixed = shared_after_sessions([0.01] * 28 + [0.9] * 4)  # some prompts of this method pay
+    assert make_controller("auto", K_MAX, simulated_cost_model(), mixed).choose() > 0
+
+
+def test_a_closed_session_that_drafted_is_reported_once() -> None:
+    shared = SharedAcceptance(alpha0=0.02)
+    never = make_controller("auto", K_MAX, simulated_cost_model(), shared)
+    never.close()  # it never drafted: it says nothing about the method
+    sessions = [make_controller("auto", K_MAX, simulated_cost_model(), shared) for _ in range(3)]
+    for s in sessions:
+        run_session(s, [0.9] * 10)
+        s.close()
+        s.close()
+    assert shared.best_sessions() is None  # three sessions, each counted once: too few to say
+    fourth = make_controller("auto", K_MAX, simulated_cost_model(), shared)
+    run_session(fourth, [0.9] * 10)
+    fourth.close()
+    best = shared.best_sessions()
+    assert best is not None and best > 0.5
+
+
+def test_the_draft_line_follows_new_observations() -> None:
+    cm = CostModel()
+    cm.observe_draft(2, 10.0)
+    assert cm.draft_ms(4) == pytest.approx(20.0)
+    for _ in range(20):
+        cm.observe_draft(2, 30.0)  # the draft got slower (a busier machine)
+    assert cm.draft_ms(4) > 40.0
+
+
+# fills: proposers that draft only where their context matches ----------------------------------
+
+
+def test_pass_rates_charge_a_pass_its_long_block_when_any_row_drafted() -> None:
+    verify = [simulated_verify_ms(k + 1, 1) for k in range(K_MAX + 1)]
+    assert pass_rates([0.7], lambda k: 1.0, verify, K_MAX, fills=[1.0]) == pass_rates([0.7], lambda k: 1.0, verify, K_MAX)
+    half = pass_rates([0.7], lambda k: 0.0, verify, K_MAX, fills=[0.5])
+    for k in range(1, K_MAX + 1):  # alone: an empty draft is free, a plain step's cost
+        expected = (1 + 0.5 * (expected_tokens(k, 0.7) - 1)) / (0.5 * verify[k] + 0.5 * verify[0])
+        assert half[k] == pytest.approx(expected)
+    twelve = pass_rates([0.7] * 12, lambda k: 0.0, verify, K_MAX, fills=[0.5] * 12)
+    for k in range(1, K_MAX + 1):  # twelve rows: the pass is nearly always padded
+        expected = (1 + 0.5 * (expected_tokens(k, 0.7) - 1)) / ((1 - 0.5 ** 12) * verify[k] + 0.5 ** 12 * verify[0])
+        assert twelve[k] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="fills"):
+        pass_rates([0.7, 0.7], lambda k: 0.0, verify, K_MAX, fills=[1.0])
+
+
+def test_pass_sessions_fill_unknown_peers_with_the_known_means() -> None:
+    alphas, fills = pass_sessions((0.8, 1.0), [(0.2, 0.5)], 4)
+    assert alphas == [0.8, 0.2, 0.5, 0.5] and fills == [1.0, 0.5, 0.75, 0.75]
+
+
+def test_sessions_whose_proposer_often_has_nothing_stay_off_in_a_large_batch() -> None:
+    """Twelve sessions accepting 95 % of what they draft: deep speculation pays if they always
+    draft, not if their proposer finds a match at 40 % of the steps (chat with n-grams), since
+    every row then pays for the padded pass while few rows gain."""
+    cm = simulated_cost_model()
+    load = LoadSignal(0, 12)
+    always = controllers_on_one_replica([0.95] * 12, cm)
+    rarely = controllers_on_one_replica([0.95] * 12, cm)
+    for s in rarely:
+        for step in range(20):  # asked for 2 each step; drafted 2 at 2 steps in 5, nothing otherwise
+            drafted = 2 if step % 5 < 2 else 0
+            s.observe(drafted, drafted, 0.0, simulated_verify_ms(3, 12), 12, pass_block_length=3, requested=2)
+    assert rarely[0].fill.mean == pytest.approx(0.4, abs=0.1)
+    assert always[0].target(load) > 0
+    assert rarely[0].target(load) == 0
