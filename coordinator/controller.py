@@ -99,9 +99,18 @@ def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Co
     A batched verify pads every row to the longest block, so a pass costs verify_cost_ms(k) for
     its longest block whoever drafted it: one session going deep makes every row pay for k + 1
     positions, and once the pass is that long, drafting up to k is free to every other session.
-    The pool therefore gets the most tokens per ms from one depth for the whole pass, the one
-    maximizing sum_i E(k, a_i) / cost(k); this returns that sum's mean, so that one alpha gives
-    `depth_rates`. Costs are indexed by depth as there.
+    So the sessions choose one depth for the whole pass, and this returns, per depth, the
+    sessions' geometric mean of E(k, a_i) over cost(k), so that one alpha gives `depth_rates`.
+    Costs are indexed by depth as there.
+
+    Why the geometric mean (proportional fairness), not the pool's tokens (the arithmetic mean):
+    the cost of a long block falls on every row, its gain only on the rows that accept. Eight
+    sessions copying their prompt and eight that do not, at batch 16: a 7-token block costs 3x a
+    plain pass, the copiers gain 4.7 tokens, the others nothing, so the pool gains a little while
+    the others run at a third of their speed, and a request finishes when its last token does
+    (the bench's 16-request bursts ran at 0.85-0.94x speculation off). Speculation pays for the
+    pass when it pays for its sessions broadly: log-utility counts a session slowed 3x as much
+    as one sped up 3x. With equal acceptances the two means agree.
 
     `fills` (default all 1): per session, the share of the asked tokens its proposer drafts. An
     n-gram or suffix proposer offers nothing where its context has no match (on chat prompts about
@@ -123,13 +132,13 @@ def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Co
     shares = [1.0] * len(clipped) if fills is None else [min(max(float(f), 0.0), 1.0) for f in fills]
     none_drafts = math.prod(1.0 - f for f in shares)
     powers = [1.0] * len(clipped)
-    gain = 0.0  # sum over sessions of f_i (E(k, a_i) - 1)
+    gains = [0.0] * len(clipped)  # per session f_i (E(k, a_i) - 1)
     rates = []
     for k in range(k_max + 1):
         if k > 0:
             powers = [p * a for p, a in zip(powers, clipped)]
-            gain += sum(f * p for f, p in zip(shares, powers))
-        tokens = 1.0 + gain / len(clipped)
+            gains = [g + f * p for g, f, p in zip(gains, shares, powers)]
+        tokens = math.prod(1.0 + g for g in gains) ** (1.0 / len(gains))
         cost = verify[0] if k == 0 else (1.0 - none_drafts) * verify[k] + none_drafts * verify[0] + draft[k]
         rates.append(tokens / cost if cost > 0 else math.inf)
     return rates

@@ -417,12 +417,12 @@ def test_a_probe_that_drafted_nothing_is_repeated() -> None:
 # the pass view --------------------------------------------------------------------------------
 
 
-def test_pass_rates_one_session_is_depth_rates_and_mixed_sessions_average() -> None:
+def test_pass_rates_one_session_is_depth_rates_and_mixed_sessions_take_the_geometric_mean() -> None:
     verify = [simulated_verify_ms(k + 1, 4) for k in range(K_MAX + 1)]
     assert pass_rates([0.7], lambda k: 1.0, verify, K_MAX) == depth_rates(0.7, lambda k: 1.0, verify, K_MAX)
     mixed = pass_rates([0.9, 0.1], lambda k: 0.0, verify, K_MAX)
     for k, rate in enumerate(mixed):
-        assert rate == pytest.approx((expected_tokens(k, 0.9) + expected_tokens(k, 0.1)) / 2 / verify[k])
+        assert rate == pytest.approx((expected_tokens(k, 0.9) * expected_tokens(k, 0.1)) ** 0.5 / verify[k])
     with pytest.raises(ValueError):
         pass_rates([], lambda k: 0.0, verify, K_MAX)
 
@@ -638,3 +638,22 @@ def test_sessions_whose_proposer_often_has_nothing_stay_off_in_a_large_batch() -
     assert rarely[0].fill.mean == pytest.approx(0.4, abs=0.1)
     assert always[0].target(load) > 0
     assert rarely[0].target(load) == 0
+
+
+def test_half_the_batch_copying_does_not_lengthen_the_pass_for_the_other_half() -> None:
+    """Sixteen sessions, eight copying their prompt (0.95) and eight not (0.05), where a block of
+    k + 1 costs 1 + k/4 plain passes: the pool's tokens per ms would speculate (the copiers gain
+    more than the others lose), but the others would run at a fraction of their speed, and a
+    burst ends with its slowest request. The pass stays plain; sixteen copiers do speculate."""
+    cm = CostModel()
+    for _ in range(20):
+        for n in (1, 3, 5, 9):
+            cm.observe_verify(16, n, 100.0 + 25.0 * (n - 1))
+    load = LoadSignal(0, 16)
+    alphas = [0.95] * 8 + [0.05] * 8
+    pool_tokens_per_ms = [sum(expected_tokens(k, a) for a in alphas) / 16 / cm.verify_ms(k + 1, 16) for k in range(K_MAX + 1)]
+    assert max(pool_tokens_per_ms) > pool_tokens_per_ms[0] * 1.25  # the pool alone would say "on"
+    mixed = controllers_on_one_replica(alphas, cm)
+    assert all(s.target(load) == 0 for s in mixed)
+    copiers = controllers_on_one_replica([0.95] * 16, cm)
+    assert copiers[0].target(load) > 0
