@@ -368,8 +368,9 @@ class CostModel:
     project's CPU machines a batch of 8 costs about twice one row) and a cost per extra position
     and row (compute; measured there: 4 ms a position against a 62 ms pass at batch 1, about 45
     against 150 at batch 16, so the default is 2 against 30). draft_ms(k): a line in k through
-    the observed k (proportional to k with one point), else `draft_per_token_ms * k`; 0 at k = 0. Means become moving averages after `window`
-    samples so the model follows drift (thermal throttling, neighbours, cache growth).
+    the observed k (proportional to k with one point), else `draft_per_token_ms * k`; 0 at k = 0.
+    Means become moving averages after `window` samples so the model follows drift (thermal
+    throttling, neighbours, cache growth).
 
     One instance serves all sessions on a replica, from their threads: a lock guards it.
     """
@@ -629,7 +630,7 @@ class PassPeers:
     """
 
     def __init__(self) -> None:
-        self._alphas: dict[int, tuple[float, bool, float]] = {}  # handle -> (acceptance, proven, fill)
+        self._sessions: dict[int, tuple[float, bool, float]] = {}  # handle -> (acceptance, proven, fill)
         self._next = 0
         self._lock = threading.Lock()
 
@@ -637,17 +638,17 @@ class PassPeers:
         """A session opens; returns its handle."""
         with self._lock:
             self._next += 1
-            self._alphas[self._next] = (alpha, False, 1.0)
+            self._sessions[self._next] = (alpha, False, 1.0)
             return self._next
 
     def update(self, handle: int, alpha: float, proven: bool = True, fill: float = 1.0) -> None:
         with self._lock:
-            if handle in self._alphas:
-                self._alphas[handle] = (alpha, proven, fill)
+            if handle in self._sessions:
+                self._sessions[handle] = (alpha, proven, fill)
 
     def leave(self, handle: int) -> None:
         with self._lock:
-            self._alphas.pop(handle, None)
+            self._sessions.pop(handle, None)
 
     def others(self, handle: int, optimistic: float | None = None) -> list[float]:
         """The acceptance of every session but `handle`; unproven ones at least `optimistic`."""
@@ -657,11 +658,11 @@ class PassPeers:
         """(acceptance, fill) of every session but `handle`, as `others`."""
         with self._lock:
             return [(max(a, optimistic) if optimistic is not None and not proven else a, fill)
-                    for h, (a, proven, fill) in self._alphas.items() if h != handle]
+                    for h, (a, proven, fill) in self._sessions.items() if h != handle]
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._alphas)
+            return len(self._sessions)
 
 
 def pass_alphas(own: float, others: Sequence[float], batch_size: int) -> list[float]:
@@ -868,16 +869,23 @@ class DepthController:
             optimistic = max(self.estimator.alpha, self.probe_alpha)
             # The shared prior is no evidence about this prompt: until the session has drafted, it
             # probes at the first step where a probe could pay (not while load rules it out), and
-            # again soon after, as long as some recent prompt of this method was worth it.
-            early = self._early_probes_pay(load)
-            first = early and self.shared is not None and not self._drafted
-            interval = self._interval if early else max(self._interval, self.probe_interval)
-            if (first or self._idle_steps >= interval) and self._policy(optimistic, load, optimistic) > 0:
+            # again soon after, as long as some recent prompt of this method was worth it. The
+            # recent sessions are only consulted on a step that could probe.
+            unproven = self.shared is not None and not self._drafted
+            if (unproven or self._idle_steps >= self._interval) and self._probe_due(unproven, load) \
+                    and self._policy(optimistic, load, optimistic) > 0:
                 self._idle_steps = 0
                 self._probed = True
                 k = self.probe_k
         self.history.append(k)
         return k
+
+    def _probe_due(self, unproven: bool, load: LoadSignal | None) -> bool:
+        """Whether this k = 0 step is a probe step: the first (an unproven session) or the early
+        re-probes when early probes pay, else only after `probe_interval` idle steps."""
+        if self._early_probes_pay(load):
+            return unproven or self._idle_steps >= self._interval
+        return self._idle_steps >= max(self._interval, self.probe_interval)
 
     def _early_probes_pay(self, load: LoadSignal | None) -> bool:
         """Whether the best recent sessions of this method (`SharedAcceptance.best_sessions`)

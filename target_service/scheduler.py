@@ -188,7 +188,8 @@ class VerifyScheduler:
         if batch[0].proposal is not None:
             block = max(len(w.proposal.tokens) for w in batch) + 1  # type: ignore[union-attr]
             self.stats.record(len(batch), block, compute_ms)
-            self._pass_s = end - start if self._pass_s is None else self._pass_s + PASS_EMA * (end - start - self._pass_s)
+            seconds = end - start
+            self._pass_s = seconds if self._pass_s is None else self._pass_s + PASS_EMA * (seconds - self._pass_s)
         with self._cv:
             for w in batch:
                 self._delivered_at[w.session.session_id] = end
