@@ -21,11 +21,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import grpc
+
 from coordinator.bench import HF_TARGET, hf_systems
 from coordinator.loadgen import LoadGenerator, LoadSpec, k_over_time, poisson_arrivals, step_rate, summarize
 from specd.launcher import start_stack
 from specd.models import load_model, save_tiny_random_model
 from specd.workloads import default_prompts_path, load_prompts
+from specdec.v1 import target_pb2, target_pb2_grpc
 
 OFF = "off"
 AUTO = "auto"
@@ -39,6 +42,9 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="ngram", help="drafting method of the per-kind sweep (default ngram)")
     p.add_argument("--max-tokens", type=int, default=32, help="cap on every prompt's max_tokens (default 32)")
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--window-seconds", type=float, default=12.0,
+                   help="steady window at the highest concurrency, after its opening prefills; lower "
+                        "concurrency c gets window_seconds * c / highest, at least 5 s (default 12)")
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
                    help="pipelined drafting for every speculating configuration")
     p.add_argument("--useless-draft", action=argparse.BooleanOptionalAction, default=True,
@@ -73,6 +79,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
     print(f"starting the stack (logs in {log_dir})", file=sys.stderr, flush=True)
     stack = start_stack(log_dir, draft_model=str(tiny), method=args.method, k="auto",
                         coordinator_args=["--pipeline"] if args.pipeline else [])
+    target_stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.target.address))
     # tps[kind][conc][config] -> list over runs; likewise p50 latency
     tps: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     p50: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
@@ -96,15 +103,14 @@ def run_bench_load(args: argparse.Namespace) -> int:
                     tokens += len(ids)
                 hf_tps[kind].append(tokens / (time.perf_counter() - start))
                 for conc in levels:
-                    requests = max(conc, len(gens[kind].prompts))
                     line = []
                     for name, depth in configs:
                         spec = LoadSpec(args.method if depth != "0" else "none", depth, max_tokens=args.max_tokens)
-                        records, wall = gens[kind].closed_loop(conc, requests, spec)
-                        s = summarize(records, wall)
+                        s = _cell(gens[kind], conc, spec, cell_window(args.window_seconds, conc, max(levels)),
+                                  target_stub)
                         errors += s["errors"]
                         tps[kind][conc][name].append(s["tokens_per_s"])
-                        p50[kind][conc][name].append(s["latency_ms_p50"] or 0.0)
+                        p50[kind][conc][name].append(s["itl_ms_p50"] or 0.0)
                         if name == AUTO:
                             mean_k[kind][conc].append(s["mean_k"])
                         line.append(f"{name} {s['tokens_per_s']:.1f}" + (f" (k {s['mean_k']:.1f})" if name == AUTO else ""))
@@ -135,6 +141,37 @@ def run_bench_load(args: argparse.Namespace) -> int:
     _plots(report, out)
     print(md)
     return 0 if errors == 0 else 1
+
+
+def cell_window(seconds: float, concurrency: int, highest: int) -> float:
+    """The steady window of a cell: `seconds` at the highest concurrency, in proportion below it,
+    at least 5 s. A request lives longer at a higher concurrency (a pass grows with its batch), and
+    a window shorter than a few request lives swings with where in their cycle it falls: whether
+    it holds a wave of new requests' prefills or not."""
+    return max(5.0, seconds * concurrency / max(highest, 1))
+
+
+def _cell(gen: LoadGenerator, concurrency: int, spec: LoadSpec, seconds: float, target_stub) -> dict:
+    """One cell's summary. Concurrency 1: every prompt of the kind once, one after another.
+    Higher: a closed loop held at that concurrency (`LoadGenerator.closed_loop_for`), tokens/s
+    over a steady window of `seconds` after the opening prefills; then the target is let to
+    close the cut requests' sessions before the next cell starts, so that their last steps do
+    not run inside it."""
+    if concurrency == 1:
+        records, wall = gen.closed_loop(1, len(gen.prompts), spec)
+        return summarize(records, wall)
+    records, window = gen.closed_loop_for(concurrency, seconds, spec)
+    _wait_idle(target_stub)
+    return summarize(records, window[1], window=window)
+
+
+def _wait_idle(target_stub, timeout_s: float = 10.0) -> None:
+    """Until the target has no open session (cancelled streams end a step later), at most `timeout_s`."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if target_stub.GetStats(target_pb2.GetStatsRequest(), timeout=5).open_sessions == 0:
+            return
+        time.sleep(0.05)
 
 
 def _ramp_run(address: str, prompts, encoded, args) -> dict:
@@ -179,27 +216,31 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
             "low_off_vs_transformers_target_only": round(c1[OFF] / _median(hf_tps[kind]), 3),
         }
     return {
-        "tokens_per_s": cells, "latency_ms_p50": lat,
+        "tokens_per_s": cells, "itl_ms_p50": lat,
         "auto_mean_k": {kind: {str(c): _median(mean_k[kind][c]) for c in levels} for kind in kinds},
         "transformers_target_only_tokens_per_s": {kind: _median(v) for kind, v in hf_tps.items()},
         "useless_draft_c1_tokens_per_s": {n: _median(v) for n, v in useless.items()},
         "useless_draft_auto_vs_off": round(_median(useless[AUTO]) / _median(useless[OFF]), 3) if useless.get(OFF) else None,
         "checks": checks, "ramp": ramp, "errors": errors,
         "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "method": args.method,
-                     "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline},
+                     "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline,
+                     "window_seconds": args.window_seconds},
     }
 
 
 def render(report: dict) -> str:
     s = report["settings"]
     lines = [f"Closed loop, method {s['method']}, max_tokens {s['max_tokens']}, pipeline {s['pipeline']}, "
-             f"medians of {s['runs']} run(s). Tokens/s (p50 request latency, ms):", ""]
+             f"medians of {s['runs']} run(s); concurrency 1: every prompt once, in turn; higher: "
+             f"held at that concurrency, tokens/s over a window after the opening prefills "
+             f"({s.get('window_seconds', 0):g} s at the highest concurrency, in proportion below, at least 5 s). "
+             "Tokens/s (p50 inter-token latency, ms):", ""]
     configs = list(next(iter(next(iter(report["tokens_per_s"].values())).values())))
     lines.append("| kind | c | " + " | ".join(configs) + " | auto mean k |")
     lines.append("|---|---|" + "---|" * (len(configs) + 1))
     for kind, rows in report["tokens_per_s"].items():
         for c, cell in rows.items():
-            lat = report["latency_ms_p50"][kind][c]
+            lat = report["itl_ms_p50"][kind][c]
             lines.append(f"| {kind} | {c} | " + " | ".join(f"{cell[n]:.1f} ({lat[n]:.0f})" for n in configs)
                          + f" | {report['auto_mean_k'][kind][c]:.2f} |")
     lo, hi = f"c{s['concurrency'][0]}", f"c{s['concurrency'][-1]}"
@@ -236,7 +277,7 @@ def _plots(report: dict, out: Path) -> None:
 
     kinds = list(report["tokens_per_s"])
     for metric, ylabel, fname in (("tokens_per_s", "tokens/s", "tokens-per-s.png"),
-                                  ("latency_ms_p50", "p50 request latency (ms)", "latency-p50.png")):
+                                  ("itl_ms_p50", "p50 inter-token latency (ms)", "itl-p50.png")):
         cols = min(3, len(kinds))
         rows = (len(kinds) + cols - 1) // cols
         fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)

@@ -47,6 +47,7 @@ class RequestRecord:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     error: str | None = None
+    cut: bool = False  # cancelled by the generator when a timed run ended (not an error)
 
     @property
     def ttft(self) -> float | None:
@@ -122,10 +123,22 @@ class SLO:
     itl_p99_s: float = 0.5
 
 
-def summarize(records: Sequence[RequestRecord], wall_s: float, slo: SLO = SLO()) -> dict:
+def window_tokens(records: Iterable[RequestRecord], start: float, end: float) -> int:
+    """Tokens whose chunks arrived in (start, end], whether or not their request finished."""
+    return sum(n for r in records for t, n in zip(r.chunk_times, r.chunk_tokens) if start < t <= end)
+
+
+def summarize(records: Sequence[RequestRecord], wall_s: float, slo: SLO = SLO(),
+              window: tuple[float, float] | None = None) -> dict:
+    """The run's figures. With `window` (a timed closed loop's steady span, `closed_loop_for`),
+    tokens/s counts the tokens that arrived in it over its length, cut requests' included, and so
+    do time to first token and inter-token latency; request latency, goodput, acceptance and k
+    come from the requests that finished."""
     ok = [r for r in records if r.error is None and r.done is not None]
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    itls = [g for r in ok for g in r.inter_token_latencies()]
+    cut = [r for r in records if r.cut and r.error is None and r.done is None]
+    streamed = ok + cut  # a cut request's first token and gaps are as real as a finished one's
+    ttfts = [r.ttft for r in streamed if r.ttft is not None]
+    itls = [g for r in streamed for g in r.inter_token_latencies()]
     latencies = [r.latency for r in ok if r.latency is not None]
     tokens = sum(r.tokens for r in ok)
     good = [r for r in ok if r.ttft is not None and r.ttft <= slo.ttft_s
@@ -136,10 +149,14 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, slo: SLO = SLO())
     def ms(x: float | None) -> float | None:
         return None if x is None else round(x * 1000, 1)
 
+    if window is not None and window[1] > window[0]:
+        tokens_per_s = window_tokens(records, *window) / (window[1] - window[0])
+    else:
+        tokens_per_s = tokens / wall_s if wall_s > 0 else 0.0
     return {
-        "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
+        "requests": len(records), "completed": len(ok), "cut": len(cut), "errors": len(records) - len(ok) - len(cut),
         "wall_s": round(wall_s, 3),
-        "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "tokens_per_s": round(tokens_per_s, 2),
         "goodput_tokens_per_s": round(sum(r.tokens for r in good) / wall_s, 2) if wall_s > 0 else 0.0,
         "goodput_requests": len(good),
         "ttft_ms_p50": ms(percentile(ttfts, 50)), "ttft_ms_p99": ms(percentile(ttfts, 99)),
@@ -192,20 +209,34 @@ class LoadGenerator:
     def close(self) -> None:
         self._client.close()
 
-    def _one(self, prompt: Prompt, spec: LoadSpec, origin: float) -> RequestRecord:
+    def _one(self, prompt: Prompt, spec: LoadSpec, origin: float, calls: "_OpenCalls | None" = None,
+             on_first_token: Callable[[], None] | None = None) -> RequestRecord:
+        """One streamed request. `calls`: a timed run's open streams (this one joins them, so the
+        run can cancel it); `on_first_token`: called once, at its first token or when it ends
+        without one."""
         text: str | list[int] = self.encode(prompt) if self.encode is not None else prompt.prompt
         params = SamplingParams(max_tokens=min(prompt.max_tokens, spec.max_tokens))
         request = build_request(text, params, chat=prompt.chat and self.encode is None, method=spec.method,
                                 k=spec.depth, pipeline=spec.pipeline)
         record = RequestRecord(prompt.id, prompt.kind, time.perf_counter() - origin)
+        call = self._client.stream(request, timeout=spec.timeout_s)
+        if calls is not None and not calls.open(call):
+            call.cancel()  # type: ignore[attr-defined]
+            record.cut = True
+            if on_first_token is not None:
+                on_first_token()
+            return record
         try:
-            for msg in self._client.stream(request, timeout=spec.timeout_s):
+            for msg in call:
                 now = time.perf_counter() - origin
                 if msg.HasField("chunk"):
                     if not msg.chunk.token_ids:
                         continue
                     if record.first_token is None:
                         record.first_token = now
+                        if on_first_token is not None:
+                            on_first_token()
+                            on_first_token = None
                     record.chunk_times.append(now)
                     record.chunk_tokens.append(len(msg.chunk.token_ids))
                 else:
@@ -216,7 +247,15 @@ class LoadGenerator:
                     record.num_draft_tokens = r.stats.num_draft_tokens
                     record.num_accepted_tokens = r.stats.num_accepted_tokens
         except grpc.RpcError as exc:
-            record.error = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+            if calls is not None and calls.stopped and exc.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                record.cut = True
+            else:
+                record.error = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        finally:
+            if calls is not None:
+                calls.close(call)
+            if on_first_token is not None and record.first_token is None:
+                on_first_token()
         return record
 
     def closed_loop(self, concurrency: int, requests: int, spec: LoadSpec) -> tuple[list[RequestRecord], float]:
@@ -243,6 +282,54 @@ class LoadGenerator:
             t.join()
         return records, time.perf_counter() - origin
 
+    def closed_loop_for(self, concurrency: int, window_s: float,
+                        spec: LoadSpec) -> tuple[list[RequestRecord], tuple[float, float]]:
+        """A closed loop held at `concurrency` through a steady window of `window_s` seconds.
+
+        Each client thread sends the next prompt (cycling) as soon as its last request ends. The
+        window opens when every thread's first request has had its first token (the opening burst
+        of prefills is over: 16 long prompts take seconds to prefill) and closes `window_s` later;
+        then the streams still open are cancelled and their records marked `cut`. Returns the
+        records and the window (seconds since the start).
+
+        Within the window `concurrency` requests are always in flight, which a fixed batch of
+        requests cannot give: a burst of c requests drains one by one, spends much of its time
+        below c, and its tokens/s is the makespan of its slowest request. Tokens/s over the window
+        (`summarize(..., window=...)`) is the throughput of a server kept at this concurrency.
+        """
+        if concurrency < 1 or window_s <= 0:
+            raise ValueError(f"need concurrency >= 1 and window_s > 0, got {concurrency}, {window_s}")
+        calls = _OpenCalls()
+        lock = threading.Lock()
+        records: list[RequestRecord] = []
+        started = threading.Semaphore(0)  # released at each thread's first token (or first failure)
+        sent = 0
+        origin = time.perf_counter()
+
+        def worker() -> None:
+            nonlocal sent
+            first: Callable[[], None] | None = started.release
+            while not calls.stopped:
+                with lock:
+                    prompt = self.prompts[sent % len(self.prompts)]
+                    sent += 1
+                rec = self._one(prompt, spec, origin, calls, on_first_token=first)
+                first = None
+                with lock:
+                    records.append(rec)
+
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            started.acquire(timeout=spec.timeout_s)
+        begin = time.perf_counter() - origin
+        time.sleep(window_s)
+        calls.stop()
+        for t in threads:
+            t.join()
+        return records, (begin, begin + window_s)
+
     def open_loop(self, arrivals: Sequence[float], spec: LoadSpec, max_in_flight: int = 64) -> tuple[list[RequestRecord], float]:
         """One request at each arrival time (seconds from now), cycling the prompts."""
         origin = time.perf_counter()
@@ -257,6 +344,34 @@ class LoadGenerator:
         for rec, at in zip(records, arrivals):
             rec.sent = at  # latency from the scheduled arrival: a late send is the generator's, not hidden
         return records, time.perf_counter() - origin
+
+
+class _OpenCalls:
+    """The streams a timed closed loop has open, so that it can cancel them all when time is up."""
+
+    def __init__(self) -> None:
+        self._calls: set = set()
+        self._lock = threading.Lock()
+        self.stopped = False
+
+    def open(self, call: object) -> bool:
+        """Registers a call; False once the run has stopped (the caller cancels it)."""
+        with self._lock:
+            if self.stopped:
+                return False
+            self._calls.add(call)
+            return True
+
+    def close(self, call: object) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            calls, self._calls = list(self._calls), set()
+        for call in calls:
+            call.cancel()  # type: ignore[attr-defined]
 
 
 # --- CLI -------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.bench_load import best_fixed
-from coordinator.loadgen import SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize
+from coordinator.bench_load import best_fixed, cell_window
+from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
+                                 window_tokens)
 
 
 def test_poisson_arrivals_have_the_asked_rate_and_are_seeded() -> None:
@@ -68,3 +69,25 @@ def test_k_over_time_bins_steps_between_first_token_and_end() -> None:
 
 def test_best_fixed_picks_the_fastest_fixed_k() -> None:
     assert best_fixed({"off": 30.0, "k2": 10.0, "k4": 20.0, "k8": 15.0, "auto": 50.0}, [2, 4, 8]) == ("k4", 20.0)
+
+
+def test_window_counts_the_tokens_that_arrived_in_it_cut_requests_included() -> None:
+    done = _record(0.0, [(1.0, 1), (2.0, 3), (3.0, 2)], [0, 2, 1])
+    cut = RequestRecord("p", "kind", 0.0, first_token=1.5, chunk_times=[1.5, 2.5], chunk_tokens=[1, 4], cut=True)
+    assert window_tokens([done, cut], 1.0, 2.5) == 3 + 1 + 4  # (start, end]: the chunk at 1.0 is before it
+    s = summarize([done, cut], wall_s=3.0, window=(1.0, 2.5))
+    assert s["tokens_per_s"] == pytest.approx(8 / 1.5, abs=0.01)  # rounded to 2 places
+    assert (s["completed"], s["cut"], s["errors"]) == (1, 1, 0)
+    assert s["ttft_ms_p50"] == pytest.approx(1250.0)  # both first tokens count
+    assert s["latency_ms_p50"] == pytest.approx(3000.0)  # only the finished request has a latency
+    assert summarize([done, cut], wall_s=3.0)["tokens_per_s"] == pytest.approx(6 / 3)  # no window: finished ones
+
+
+def test_a_request_that_ended_without_a_result_and_was_not_cut_is_an_error() -> None:
+    silent = RequestRecord("p", "kind", 0.0, first_token=0.1, chunk_times=[0.1], chunk_tokens=[1])
+    assert summarize([silent], wall_s=1.0)["errors"] == 1
+
+
+def test_cell_windows_grow_with_concurrency_from_five_seconds() -> None:
+    assert [cell_window(12.0, c, 16) for c in (2, 4, 8, 16)] == [5.0, 5.0, 6.0, 12.0]
+    assert cell_window(3.0, 16, 16) == 5.0

@@ -1,0 +1,88 @@
+"""The timed closed loop against a real gRPC server on loopback: a fake coordinator whose
+requests prefill one at a time (a queue, as a single target replica has) and then stream a token
+every few milliseconds. Checks that the window opens after the opening prefills, that the loop
+stays at its concurrency, and that the streams still open at the end are cancelled, reach the
+server as cancellations and are counted as cut, not as errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from coordinator.loadgen import LoadGenerator, LoadSpec, summarize
+from specd.workloads import Prompt
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+PREFILL_S = 0.05
+TOKEN_S = 0.01
+TOKENS = 20
+
+
+class QueuedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self) -> None:
+        self.prefill = threading.Lock()  # one prefill at a time
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.cancelled = 0
+
+    def Generate(self, request, context):
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            with self.prefill:
+                time.sleep(PREFILL_S)
+            for i in range(TOKENS):
+                if not context.is_active():
+                    with self.lock:
+                        self.cancelled += 1
+                    return
+                yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(token_ids=[i]))
+                time.sleep(TOKEN_S)
+            result = coordinator_pb2.GenerateResult(token_ids=list(range(TOKENS)))
+            result.usage.completion_tokens = TOKENS
+            yield coordinator_pb2.GenerateResponse(result=result)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+@pytest.fixture()
+def server():
+    servicer = QueuedCoordinator()
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    yield servicer, f"127.0.0.1:{port}"
+    srv.stop(0)
+
+
+def test_timed_closed_loop_holds_its_concurrency_and_cuts_the_open_streams(server) -> None:
+    servicer, address = server
+    prompts = [Prompt(id=f"p{i}", kind="chat", chat=False, prompt="hi", max_tokens=TOKENS) for i in range(3)]
+    gen = LoadGenerator(address, prompts, encode=lambda p: [1, 2, 3])
+    try:
+        records, (begin, end) = gen.closed_loop_for(4, 0.6, LoadSpec(max_tokens=TOKENS))
+    finally:
+        gen.close()
+    # the window opens after the four opening prefills, which the server ran one at a time
+    assert begin >= 4 * PREFILL_S - 0.01 and end == pytest.approx(begin + 0.6)
+    assert servicer.most_in_flight == 4
+    finished = [r for r in records if r.done is not None]
+    cut = [r for r in records if r.cut]
+    assert finished and cut and all(r.error is None for r in records)
+    assert len(cut) <= 4 and all(r.tokens == TOKENS for r in finished)
+    deadline = time.time() + 2
+    while servicer.in_flight and time.time() < deadline:
+        time.sleep(0.01)
+    assert servicer.in_flight == 0 and servicer.cancelled >= 1  # the cut streams reached the server
+    s = summarize(records, end, window=(begin, end))
+    assert (s["errors"], s["cut"], s["completed"]) == (0, len(cut), len(finished))
+    # four streams at a token per ~10 ms, less the prefills inside the window
+    assert 0.3 * 4 / TOKEN_S < s["tokens_per_s"] < 1.1 * 4 / TOKEN_S
