@@ -657,3 +657,105 @@ def test_half_the_batch_copying_does_not_lengthen_the_pass_for_the_other_half() 
     assert all(s.target(load) == 0 for s in mixed)
     copiers = controllers_on_one_replica([0.95] * 16, cm)
     assert copiers[0].target(load) > 0
+
+
+def test_probe_slot_opens_once_a_period_and_the_sessions_of_that_pass_join_it() -> None:
+    now = [100.0]
+    peers = PassPeers(clock=lambda: now[0])
+    assert peers.probe_slot(0.2, 16)  # the first probe pass opens
+    now[0] += 0.05
+    assert peers.probe_slot(0.2, 16)  # a session stepping with it joins
+    now[0] += 0.2
+    assert not peers.probe_slot(0.2, 16)  # the next pass waits
+    now[0] += 16 * 0.2
+    assert peers.probe_slot(0.2, 16)
+
+
+def steady_batch_probe_passes(epoch_passes: int, monkeypatch, passes: int = 240) -> list[int]:
+    """A replica kept at 8 sessions: every pass one session ends and a new one arrives. Each
+    session accepts at 0.75, just short of paying at this batch size, so that a session that
+    counts itself at the optimistic 0.9 sees a pass it could turn; the method's recent sessions
+    include some that paid (so early probes are allowed). Returns, per pass that only probes
+    made long (no session's committed k was above 0), how many sessions probed in it; 0 for the
+    other passes."""
+    import coordinator.controller as controller
+
+    monkeypatch.setattr(controller, "PROBE_EPOCH_PASSES", epoch_passes)
+    now = [0.0]
+    cm = simulated_cost_model()
+    shared = shared_after_sessions([0.2] * 28 + [0.95] * 4)
+    peers = PassPeers(clock=lambda: now[0])
+    load = LoadSignal(0, 8)
+    live = [DepthController(K_MAX, cm, shared=shared, peers=peers) for _ in range(8)]
+    rng = np.random.default_rng(0)
+    probing = []
+    for step in range(passes):
+        ks = [s.choose(load) for s in live]
+        committed = any(s.k for s in live)
+        probing.append(0 if committed else sum(k > 0 for k in ks))
+        block = max(ks) + 1
+        for s, k in zip(live, ks):
+            accepted = 0
+            while accepted < k and rng.random() < 0.75:
+                accepted += 1
+            s.observe(k, accepted, 0.0, simulated_verify_ms(block, 8), 8, pass_block_length=block, requested=k)
+        now[0] += simulated_verify_ms(block, 8) / 1000
+        live.pop(step % 8).close()
+        live.insert(step % 8, DepthController(K_MAX, cm, shared=shared, peers=peers))
+    return probing
+
+
+def test_sessions_arriving_one_by_one_probe_together_in_few_passes(monkeypatch) -> None:
+    """Unaligned, each new session probes in a pass of its own and most passes are lengthened;
+    lined up, a probe pass comes once in PROBE_EPOCH_PASSES and carries every waiting session."""
+    unaligned = [n for n in steady_batch_probe_passes(1, monkeypatch) if n > 0]
+    lined_up = steady_batch_probe_passes(16, monkeypatch)
+    long_passes = [n for n in lined_up if n > 0]
+    # the period is 16 one-token passes of time, and a probe pass is about two of them
+    assert 0 < len(long_passes) <= len(lined_up) / 14 + 2, lined_up
+    assert len(unaligned) > 2 * len(long_passes), (unaligned, long_passes)
+    assert max(long_passes) >= 4  # the waiting sessions probed together
+
+
+def test_a_new_session_starts_from_the_methods_recent_fill() -> None:
+    """Acceptance is counted over drafted tokens only; where the proposer drafts one step in three,
+    a new session that assumed full drafts would lengthen the batch's first passes for nothing."""
+    load = LoadSignal(0, 4)
+    cm = simulated_cost_model()
+
+    def new_batch(fill: float) -> list[DepthController]:
+        shared = SharedAcceptance(alpha0=0.8)
+        for _ in range(64):
+            shared.update(4, 3)  # three of four drafted tokens accepted
+            shared.update_fill(fill)
+        peers = PassPeers()
+        return [DepthController(K_MAX, cm, shared=shared, peers=peers) for _ in range(4)]
+
+    sparse, full = new_batch(0.3), new_batch(1.0)
+    assert sparse[0].fill.mean == pytest.approx(0.3, abs=0.01) and full[0].fill.mean == pytest.approx(1.0)
+    assert all(s.target(load) == 0 for s in sparse)
+    assert all(s.target(load) > 0 for s in full)
+
+
+def test_a_new_session_starts_from_the_typical_recent_session_not_the_pooled_tokens() -> None:
+    """Two sessions that copy their prompt draft 8 deep and accept everything; six others tried a
+    probe or two and accepted nothing. Pooled over drafted tokens the method looks excellent; the
+    median session does not, and that is where a new session starts."""
+    cm = simulated_cost_model()
+    shared = SharedAcceptance(alpha0=0.5)
+    for alphas in ([0.98] * 30, [0.98] * 30) + tuple([0.0] * 30 for _ in range(6)):
+        session = make_controller("auto", K_MAX, cm, shared)
+        run_session(session, alphas)
+        session.close()
+    assert shared._estimator.alpha > 0.8  # the pooled rate is the copying sessions'
+    assert shared.alpha < 0.1
+    assert make_controller("auto", K_MAX, cm, shared).estimator.alpha < 0.1
+
+
+def test_the_typical_session_needs_a_few_sessions_and_is_their_median() -> None:
+    shared = SharedAcceptance(alpha0=0.6)
+    for observed in (0.1, 0.2, 0.9):
+        shared.report_session(0.5, observed)
+    assert shared.alpha == pytest.approx(0.6)  # too few sessions: the pooled rate (its prior here)
+    shared.report_session(0.5, 0.3)
+    assert shared.alpha == pytest.approx(0.25)
