@@ -797,7 +797,8 @@ class DepthController:
     pass (`pass_rates` over this session's and its peers' acceptance), so the sessions of a replica
     agree on one depth. A probe is then worth drafting only if this session's acceptance alone could
     turn the pass's choice, which it rarely can in a large batch: there a probe would lengthen a
-    pass that every session pays for.
+    pass that every session pays for. A probe that is worth drafting still waits for a pass that
+    is long anyway (a peer speculates) or for the replica's next probe pass (`_probe_depth`).
 
     Use: `k = choose(load)`, run the step with k, then `observe(k, accepted, draft_ms, verify_ms,
     batch_size)`; `close()` when the session ends. `history` lists the k chosen at each step.

@@ -84,10 +84,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             handle = self._start(request, context)
             with self.service.track():
                 try:
-                    for ids, text in handle:
+                    steps = handle.generation.stats.k_per_step
+                    for index, (ids, text) in enumerate(handle):
                         if not context.is_active():
                             return
-                        yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(token_ids=ids, text=text))
+                        # chunk 0 is the prefill's token, chunk i the output of verify step i (the
+                        # text stream's flush at the end is no step's)
+                        k = steps[index - 1] if 1 <= index <= len(steps) else None
+                        yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(token_ids=ids, text=text, k=k))
                     yield coordinator_pb2.GenerateResponse(result=result_to_proto(handle))
                 finally:
                     handle.close()

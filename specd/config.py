@@ -141,7 +141,7 @@ class CoordinatorConfig(ServiceConfig):
     k: str = _opt("auto", "default draft depth: auto (the adaptive controller), a fixed k (0: no speculation), or "
                           "schedule:B=K,... (k by batch size); each may end with ,floor=A (acceptance below A turns "
                           "speculation off)", metavar="auto|K|schedule:B=K,...", check=_check_depth)
-    k_max: int = _opt(8, "deepest draft block the controller may choose", minimum=1)
+    k_max: int = _opt(16, "deepest draft block the controller may choose", minimum=1)
     pipeline: bool = _opt(False, "pipelined drafting: draft block n+1 while block n is verified")
     http_port: int | None = _opt(None, "HTTP (OpenAI-style) port (unset: no HTTP endpoint)", minimum=0)
     tokenizer_model: str | None = _opt(None, "tokenizer source (unset: bundled default)")

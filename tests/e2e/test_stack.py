@@ -45,13 +45,16 @@ def test_greedy_output_equals_target_only(method, depth, pipeline, client, refer
         ids, expected = references[p.id]
         req = build_request(ids, SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS)), method=method, k=depth,
                             pipeline=pipeline)
-        chunks, result = [], None
+        chunks, result, chunk_ks = [], None, []
         for msg in client.stream(req, timeout=300):
             if msg.HasField("chunk"):
                 chunks.extend(msg.chunk.token_ids)
+                chunk_ks.append(msg.chunk.k if msg.chunk.HasField("k") else None)
             else:
                 result = msg.result
         assert chunks == expected, f"{method}: {p.id} differs from target-only decoding"
+        # each verify step's chunk says its k as it streams; the prefill's token says none
+        assert chunk_ks[0] is None and [k for k in chunk_ks if k is not None] == list(result.stats.k_per_step)
         assert list(result.token_ids) == expected
         assert result.usage.completion_tokens == len(expected) and result.usage.prompt_tokens == len(ids)
         drafted += result.stats.num_draft_tokens

@@ -86,3 +86,16 @@ def test_timed_closed_loop_holds_its_concurrency_and_cuts_the_open_streams(serve
     assert (s["errors"], s["cut"], s["completed"]) == (0, len(cut), len(finished))
     # four streams at a token per ~10 ms, less the prefills inside the window
     assert 0.3 * 4 / TOKEN_S < s["tokens_per_s"] < 1.1 * 4 / TOKEN_S
+
+
+def test_staggered_clients_start_apart_and_the_window_waits_for_the_last(server) -> None:
+    _, address = server
+    prompts = [Prompt(id="p", kind="chat", chat=False, prompt="hi", max_tokens=TOKENS)]
+    gen = LoadGenerator(address, prompts, encode=lambda p: [1, 2, 3])
+    try:
+        records, (begin, _) = gen.closed_loop_for(3, 0.3, LoadSpec(max_tokens=TOKENS), stagger_s=0.1)
+    finally:
+        gen.close()
+    firsts = sorted(r.sent for r in records)[:3]
+    assert firsts[0] < 0.05 and firsts[1] == pytest.approx(0.1, abs=0.04) and firsts[2] == pytest.approx(0.2, abs=0.04)
+    assert begin >= 0.2 + PREFILL_S

@@ -91,3 +91,14 @@ def test_a_request_that_ended_without_a_result_and_was_not_cut_is_an_error() -> 
 def test_cell_windows_grow_with_concurrency_from_five_seconds() -> None:
     assert [cell_window(12.0, c, 16) for c in (2, 4, 8, 16)] == [5.0, 5.0, 6.0, 12.0]
     assert cell_window(3.0, 16, 16) == 5.0
+
+
+def test_a_cut_request_counts_its_streamed_steps_and_k_over_time_uses_chunk_times() -> None:
+    done = _record(0.0, [(0.5, 1), (1.0, 3), (4.5, 1)], [2, 0])
+    done.chunk_k = [None, 2, 0]
+    cut = RequestRecord("p", "kind", 0.0, first_token=0.5, chunk_times=[0.5, 1.5, 2.5], chunk_tokens=[1, 2, 1],
+                        chunk_k=[None, 4, 4], cut=True)
+    s = summarize([done, cut], wall_s=5.0, window=(0.5, 5.0))
+    assert s["mean_k"] == pytest.approx((2 + 0 + 4 + 4) / 4)
+    # at their chunks' times, not spread over the request
+    assert k_over_time([done, cut], bin_s=2.0) == [(0.0, 3.0, 2), (2.0, 4.0, 1), (4.0, 0.0, 1)]
