@@ -981,10 +981,18 @@ class DepthController:
         return self.probe_k if self.peers.probe_slot(pass_s, PROBE_EPOCH_PASSES) else 0
 
     def _probe_due(self, unproven: bool, load: LoadSignal | None) -> bool:
-        """Whether this k = 0 step is a probe step: the first (an unproven session) or the early
-        re-probes when early probes pay, else only after `probe_interval` idle steps."""
+        """Whether this k = 0 step is a probe step: the first (an unproven session, always), the
+        early re-probes when early probes pay, else only after `probe_interval` idle steps.
+
+        The first probe is not gated: the method's recent sessions may all have been other
+        prompts (a code edit after a run of open-ended code requests started from their low
+        median and, without its first probe, sat at k = 0 for half of a 32-token request: 0.73x
+        the best fixed k). It costs a useless draft one probe per request, and the early
+        re-probes stay gated."""
+        if unproven:
+            return True
         if self._early_probes_pay(load):
-            return unproven or self._idle_steps >= self._interval
+            return self._idle_steps >= self._interval
         return self._idle_steps >= max(self._interval, self.probe_interval)
 
     def _early_probes_pay(self, load: LoadSignal | None) -> bool:

@@ -562,13 +562,14 @@ def test_best_sessions_is_the_upper_tail_of_recent_sessions() -> None:
     assert shared_after_sessions([0.9] * 32 + [0.01] * 32).best_sessions() == 0.01  # only the last 32 are kept
 
 
-def test_a_draft_no_recent_prompt_accepted_probes_only_at_the_regular_interval() -> None:
-    """A useless draft (every recent session ended near 0): a new session does not spend its first
-    steps on probes, which were the main cost of a useless draft on short requests."""
+def test_a_draft_no_recent_prompt_accepted_probes_once_then_at_the_regular_interval() -> None:
+    """A useless draft (every recent session ended near 0): a new session probes once at its first
+    step (its prompt may be unlike the recent ones), then not at the early re-probes (4 and 8
+    steps later), which were the main cost of a useless draft on short requests."""
     useless = shared_after_sessions([0.01] * 32)
     off = make_controller("auto", K_MAX, simulated_cost_model(), useless)
     probes = [t for t, k in enumerate(run_session(off, [0.0] * 80)) if k > 0]
-    assert probes and probes[0] >= off.probe_interval - 1, probes
+    assert probes[:2] == [0, off.probe_interval], probes
     assert all(b - a >= off.probe_interval for a, b in zip(probes, probes[1:])), probes
     mixed = shared_after_sessions([0.01] * 28 + [0.9] * 4)  # some prompts of this method pay
     assert make_controller("auto", K_MAX, simulated_cost_model(), mixed).choose() > 0
@@ -759,3 +760,10 @@ def test_the_typical_session_needs_a_few_sessions_and_is_their_median() -> None:
     assert shared.alpha == pytest.approx(0.6)  # too few sessions: the pooled rate (its prior here)
     shared.report_session(0.5, 0.3)
     assert shared.alpha == pytest.approx(0.25)
+
+
+def test_a_copying_prompt_after_a_run_of_poor_ones_finds_out_at_its_first_step() -> None:
+    poor = shared_after_sessions([0.01] * 32)  # the median and the upper tail both say "off"
+    edit = make_controller("auto", K_MAX, simulated_cost_model(), poor)
+    history = run_session(edit, [0.98] * 16)
+    assert history[0] > 0 and history[-1] >= 4, history
