@@ -587,8 +587,7 @@ class SharedAcceptance:
         self._estimator = AcceptanceEstimator(alpha0=alpha0, window=window)
         self._fill = _Mean(1.0, 0.0)
         self._window = window
-        self._sessions: deque[float] = deque(maxlen=sessions_kept)  # estimates at close
-        self._observed: deque[float] = deque(maxlen=sessions_kept)  # what each one saw, no prior
+        self._sessions: deque[float] = deque(maxlen=sessions_kept)
         self._lock = threading.Lock()
         self.lo, self.hi = lo, hi
 
@@ -612,12 +611,10 @@ class SharedAcceptance:
         with self._lock:
             return self._fill.mean
 
-    def report_session(self, alpha: float, observed: float | None = None) -> None:
-        """A session that drafted ended with acceptance `alpha` (its estimate), having seen
-        `observed` (its own accepted / tried positions, no prior; default `alpha`)."""
+    def report_session(self, alpha: float) -> None:
+        """A session that drafted ended with acceptance `alpha`."""
         with self._lock:
             self._sessions.append(float(alpha))
-            self._observed.append(float(alpha if observed is None else observed))
 
     def best_sessions(self) -> float | None:
         """How well the best recent sessions accepted: the 90th percentile (nearest rank) of the
@@ -636,24 +633,8 @@ class SharedAcceptance:
 
     @property
     def alpha(self) -> float:
-        """Where a new session's acceptance starts: the median of what the recent sessions that
-        drafted saw (at least MIN_SESSIONS of them), else the pooled rate of all drafted tokens.
-
-        The pooled rate weights a session by the tokens it drafted, and a session that accepts
-        drafts deep and often: a few prompts that copy their input outweigh many that do not.
-        A session at k = 0 drafts rarely, so its estimate stays near where it started for the
-        whole request, and a batch of such sessions started high looks close to worth speculating:
-        one session's good prompt can then tip the pass (summarize at 16 sessions, where one
-        prompt in two copies its input: 0.75x speculation off). The median session is what a new
-        prompt most likely is."""
         with self._lock:
-            if len(self._observed) >= MIN_SESSIONS:
-                ranked = sorted(self._observed)
-                mid = len(ranked) // 2
-                typical = ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
-            else:
-                typical = self._estimator.alpha
-            return min(max(typical, self.lo), self.hi)
+            return min(max(self._estimator.alpha, self.lo), self.hi)
 
 
 class PassPeers:
@@ -868,7 +849,6 @@ class DepthController:
         self._idle_steps = 0
         self._probed = False
         self._drafted = False  # has any step of this session drafted yet
-        self._tried = self._accepted = 0  # draft positions tried and accepted, over the whole session
         # share of the asked draft tokens the proposer drafted; starts from the method's recent steps
         self.fill = _Mean(shared.fill if shared is not None else 1.0, FILL_PRIOR)
         self.peers = peers if mode == "auto" else None
@@ -985,10 +965,9 @@ class DepthController:
         early re-probes when early probes pay, else only after `probe_interval` idle steps.
 
         The first probe is not gated: the method's recent sessions may all have been other
-        prompts (a code edit after a run of open-ended code requests started from their low
-        median and, without its first probe, sat at k = 0 for half of a 32-token request: 0.73x
-        the best fixed k). It costs a useless draft one probe per request, and the early
-        re-probes stay gated."""
+        prompts (a code edit after a run of open-ended code requests), and without it a session
+        whose prompt pays waits `probe_interval` steps, half of a 32-token request. It costs a
+        useless draft one probe per request; the early re-probes stay gated."""
         if unproven:
             return True
         if self._early_probes_pay(load):
@@ -1036,9 +1015,6 @@ class DepthController:
             self._idle_steps = self._interval
         self._drafted = self._drafted or k > 0
         self.estimator.update(k, num_accepted)
-        if k > 0:
-            self._tried += min(num_accepted + 1, k)
-            self._accepted += num_accepted
         if requested:
             self.fill.add(min(k / requested, 1.0), FILL_WINDOW)
             if self.shared is not None:
@@ -1063,7 +1039,7 @@ class DepthController:
         if self.peers is not None:
             self.peers.leave(self._peer)
         if self.shared is not None and self._drafted and not self._closed:
-            self.shared.report_session(self.estimator.alpha, self._accepted / max(self._tried, 1))
+            self.shared.report_session(self.estimator.alpha)
         self._closed = True
 
 

@@ -738,30 +738,6 @@ def test_a_new_session_starts_from_the_methods_recent_fill() -> None:
     assert all(s.target(load) > 0 for s in full)
 
 
-def test_a_new_session_starts_from_the_typical_recent_session_not_the_pooled_tokens() -> None:
-    """Two sessions that copy their prompt draft 8 deep and accept everything; six others tried a
-    probe or two and accepted nothing. Pooled over drafted tokens the method looks excellent; the
-    median session does not, and that is where a new session starts."""
-    cm = simulated_cost_model()
-    shared = SharedAcceptance(alpha0=0.5)
-    for alphas in ([0.98] * 30, [0.98] * 30) + tuple([0.0] * 30 for _ in range(6)):
-        session = make_controller("auto", K_MAX, cm, shared)
-        run_session(session, alphas)
-        session.close()
-    assert shared._estimator.alpha > 0.8  # the pooled rate is the copying sessions'
-    assert shared.alpha < 0.1
-    assert make_controller("auto", K_MAX, cm, shared).estimator.alpha < 0.1
-
-
-def test_the_typical_session_needs_a_few_sessions_and_is_their_median() -> None:
-    shared = SharedAcceptance(alpha0=0.6)
-    for observed in (0.1, 0.2, 0.9):
-        shared.report_session(0.5, observed)
-    assert shared.alpha == pytest.approx(0.6)  # too few sessions: the pooled rate (its prior here)
-    shared.report_session(0.5, 0.3)
-    assert shared.alpha == pytest.approx(0.25)
-
-
 def test_a_copying_prompt_after_a_run_of_poor_ones_finds_out_at_its_first_step() -> None:
     poor = shared_after_sessions([0.01] * 32)  # the median and the upper tail both say "off"
     edit = make_controller("auto", K_MAX, simulated_cost_model(), poor)
