@@ -936,8 +936,7 @@ class DepthController:
             # again soon after, as long as some recent prompt of this method was worth it. The
             # recent sessions are only consulted on a step that could probe.
             unproven = self.shared is not None and not self._drafted
-            if (unproven or self._idle_steps >= self._interval) and self._probe_due(unproven, load) \
-                    and self._policy(optimistic, load, optimistic) > 0:
+            if self._probe_due(unproven, load) and self._policy(optimistic, load, optimistic) > 0:
                 depth = self._probe_depth(load)
                 if depth > 0:
                     self._idle_steps = 0
@@ -970,9 +969,9 @@ class DepthController:
         useless draft one probe per request; the early re-probes stay gated."""
         if unproven:
             return True
-        if self._early_probes_pay(load):
-            return self._idle_steps >= self._interval
-        return self._idle_steps >= max(self._interval, self.probe_interval)
+        if self._idle_steps < self._interval:
+            return False
+        return self._early_probes_pay(load) or self._idle_steps >= self.probe_interval
 
     def _early_probes_pay(self, load: LoadSignal | None) -> bool:
         """Whether the best recent sessions of this method (`SharedAcceptance.best_sessions`)
@@ -1016,9 +1015,10 @@ class DepthController:
         self._drafted = self._drafted or k > 0
         self.estimator.update(k, num_accepted)
         if requested:
-            self.fill.add(min(k / requested, 1.0), FILL_WINDOW)
+            share = min(k / requested, 1.0)
+            self.fill.add(share, FILL_WINDOW)
             if self.shared is not None:
-                self.shared.update_fill(k / requested)
+                self.shared.update_fill(share)
         if self.peers is not None:
             self.peers.update(self._peer, self.estimator.alpha, proven=self._drafted, fill=self.fill.mean)
         if self.shared is not None and k > 0:
