@@ -54,6 +54,26 @@ def attention_mask(starts: torch.Tensor, n_new: int, kv_length: int) -> torch.Te
     return (keys[None, None, :] <= query_pos[:, :, None])[:, None]
 
 
+def slot_order(rows: list[RowInput]) -> list[int] | None:
+    """The order that sorts `rows` by KV-pool slot, or None when they are sorted already.
+
+    The scheduler batches sessions in arrival order, which at 16 sessions is a shuffle of slots
+    0..15; the cache view reads a contiguous run of slots as a slice but any other order by
+    gathering every layer's K and V (a copy of the whole batch's cache per layer). In slot order
+    a batch of the lowest slots is a slice: 10-15 % off a batch-16 pass at 600 cached tokens
+    (docs/benchmarks.md, "Batch rows in slot order")."""
+    order = sorted(range(len(rows)), key=lambda b: rows[b].slot)
+    return None if order == list(range(len(rows))) else order
+
+
+def inverse_permutation(order: list[int]) -> list[int]:
+    """back[b] = the position of b in `order`."""
+    back = [0] * len(order)
+    for position, b in enumerate(order):
+        back[b] = position
+    return back
+
+
 class BatchedForward:
     def __init__(self, model: LoadedModel):
         self.model = model
@@ -68,6 +88,11 @@ class BatchedForward:
         """`run`, plus each row's final hidden states [len(row.tokens), hidden] (after the final
         norm: what the LM head reads) when `features` is set, for draft heads. With features the
         decoder and the LM head run as two calls, the same operations the causal LM runs."""
+        order = slot_order(rows)
+        if order is not None:  # run the rows in slot order, hand the results back in the caller's
+            logits, feats = self.run_with_features([rows[b] for b in order], keep_last, features)
+            back = inverse_permutation(order)
+            return [logits[i] for i in back], None if feats is None else [feats[i] for i in back]
         device = self.model.device
         n_new = max(len(r.tokens) for r in rows)
         if device.type == "cpu" and not keep_last:  # a prefill keeps the last position: never padded
