@@ -109,8 +109,8 @@ def run_bench_load(args: argparse.Namespace) -> int:
                     tokens += len(ids)
                 hf_tps[kind].append(tokens / (time.perf_counter() - start))
                 for conc in levels:
-                    line = []
-                    for name, depth in configs:
+                    line = {}
+                    for name, depth in cell_order(configs, run):
                         spec = LoadSpec(args.method if depth != "0" else "none", depth, max_tokens=args.max_tokens)
                         s = _cell(gens[kind], conc, spec, cell_window(args.window_seconds, conc, max(levels)),
                                   args.stagger_seconds, target_stub)
@@ -119,8 +119,9 @@ def run_bench_load(args: argparse.Namespace) -> int:
                         p50[kind][conc][name].append(s["itl_ms_p50"] or 0.0)
                         if name == AUTO:
                             mean_k[kind][conc].append(s["mean_k"])
-                        line.append(f"{name} {s['tokens_per_s']:.1f}" + (f" (k {s['mean_k']:.1f})" if name == AUTO else ""))
-                    print(f"run {run + 1}: {kind:<10} c{conc:<3} " + " | ".join(line), file=sys.stderr, flush=True)
+                        line[name] = f"{name} {s['tokens_per_s']:.1f}" + (f" (k {s['mean_k']:.1f})" if name == AUTO else "")
+                    print(f"run {run + 1}: {kind:<10} c{conc:<3} " + " | ".join(line[n] for n, _ in configs),
+                          file=sys.stderr, flush=True)
             if not args.useless_draft:
                 continue
             # the useless draft: a tiny random model proposes garbage; auto must turn it off
@@ -147,6 +148,17 @@ def run_bench_load(args: argparse.Namespace) -> int:
     _plots(report, out)
     print(md)
     return 0 if errors == 0 else 1
+
+
+def cell_order(configs: list[tuple[str, str]], run: int) -> list[tuple[str, str]]:
+    """The order of a level's cells in run `run`: rotated by two places per run, reversed in odd
+    runs, so that no configuration always runs right after the same one. Cells are not
+    independent: held cells of one configuration read 68-83 tok/s in one sequence on this
+    machine, drifting down over minutes, and in the fixed order auto always ran right after k = 8,
+    the slowest cell at 16 sessions."""
+    shift = (2 * run) % len(configs)
+    order = configs[shift:] + configs[:shift]
+    return order[::-1] if run % 2 else order
 
 
 def cell_window(seconds: float, concurrency: int, highest: int) -> float:

@@ -93,7 +93,7 @@ def depth_rates(alpha: float, draft_cost_ms: Costs, verify_cost_ms: Costs, k_max
 
 
 def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Costs, k_max: int,
-               fills: Sequence[float] | None = None) -> list[float]:
+               fills: Sequence[float] | None = None, profile: Sequence[float] | None = None) -> list[float]:
     """Expected tokens per millisecond and per session, for every k in 0..k_max, of a batched pass
     whose sessions have acceptances `alphas` and all ask for k draft tokens.
 
@@ -120,6 +120,15 @@ def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Co
     positions as soon as any one row drafted: it costs verify(k) with probability
     1 - prod(1 - f_i) and verify(0) otherwise. Alone (b = 1) an empty draft is free; in a batch of
     twelve, someone nearly always drafts, and every row pays for drafts that half of them lack.
+
+    `profile` (optional): the first session's conditional acceptance per draft position,
+    P(accept i | accepted < i) (`AcceptanceEstimator.position_rates`); positions past its end, and
+    every other session, at their single rate. One rate per session is the geometric model, which
+    fits a draft whose every token is an independent guess; a copying draft is all or nothing
+    (a code edit either is in the unchanged code, where whole blocks go through, or is not), its
+    first position is its weakest and the later ones accept at 0.9 and more, and one pooled rate
+    then undervalues deep blocks (code edits at concurrency 1 settled at k = 4 where fixed k = 16
+    ran faster).
     """
     if not alphas:
         raise ValueError("pass_rates needs at least one session's acceptance")
@@ -135,9 +144,11 @@ def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Co
     powers = [1.0] * len(clipped)
     gains = [0.0] * len(clipped)  # per session f_i (E(k, a_i) - 1)
     rates = []
+    own = [min(max(float(r), 0.0), 1.0) for r in profile] if profile else []
     for k in range(k_max + 1):
         if k > 0:
-            powers = [p * a for p, a in zip(powers, clipped)]
+            at_k = clipped if k > len(own) else [own[k - 1], *clipped[1:]]  # draft position k - 1
+            powers = [p * a for p, a in zip(powers, at_k)]
             gains = [g + f * p for g, f, p in zip(gains, shares, powers)]
         tokens = math.prod(1.0 + g for g in gains) ** (1.0 / len(gains))
         cost = verify[0] if k == 0 else (1.0 - none_drafts) * verify[k] + none_drafts * verify[0] + draft[k]
@@ -574,6 +585,8 @@ FILL_WINDOW = 16.0
 # together) at most once in this many passes: a probe at batch 16 costs about 0.8 of a pass,
 # so about 5 % of the time.
 PROBE_EPOCH_PASSES = 16
+# k = 0 steps in a row whose token the context predicted (coordinator/echo.py) that make a probe step
+ECHO_STREAK = 2
 
 
 class SharedAcceptance:
@@ -849,6 +862,7 @@ class DepthController:
         self._idle_steps = 0
         self._probed = False
         self._drafted = False  # has any step of this session drafted yet
+        self._echo_streak = 0  # k = 0 steps in a row whose token echoed the context
         # share of the asked draft tokens the proposer drafted; starts from the method's recent steps
         self.fill = _Mean(shared.fill if shared is not None else 1.0, FILL_PRIOR)
         self.peers = peers if mode == "auto" else None
@@ -868,7 +882,8 @@ class DepthController:
 
     def _rates(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> tuple[list[float], int]:
         """Expected tokens/ms per depth, and the pass's rows they assume; with `optimistic`,
-        unproven peers count at least at it."""
+        unproven peers count at least at it. Without it (the session's own estimate, not a what-if
+        rate) this session's positions count at their own rates (`pass_rates`'s profile)."""
         b = self._batch(load)
         if self.peers is not None:
             own = (alpha, self.fill.mean)
@@ -880,7 +895,11 @@ class DepthController:
         cm = self.cost_model
         base = cm.verify_ms(1, b)
         verify = [base + penalty * (cm.verify_ms(k + 1, b) - base) for k in range(self.k_max + 1)]
-        return pass_rates(alphas, cm.draft_ms, verify, self.k_max, fills), b
+        # Alone, a copying session's positions count at their own rates; in a pass the pooled rate
+        # decides: position 0's rate alone is the noisier estimate, and at batch 12 with geometric
+        # acceptance 0.9 it turned a 2-3 token block off in 9 of 30 simulated sessions, not 1.
+        profile = self.estimator.position_rates if optimistic is None and b == 1 else None
+        return pass_rates(alphas, cm.draft_ms, verify, self.k_max, fills, profile), b
 
     def _policy(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> int:
         """The mode's choice for acceptance `alpha`, ignoring the floor."""
@@ -960,14 +979,15 @@ class DepthController:
         return self.probe_k if self.peers.probe_slot(pass_s, PROBE_EPOCH_PASSES) else 0
 
     def _probe_due(self, unproven: bool, load: LoadSignal | None) -> bool:
-        """Whether this k = 0 step is a probe step: the first (an unproven session, always), the
-        early re-probes when early probes pay, else only after `probe_interval` idle steps.
+        """Whether this k = 0 step is a probe step: the first (an unproven session, always), one
+        whose last ECHO_STREAK tokens echoed the context (the output started copying), the early
+        re-probes when early probes pay, else only after `probe_interval` idle steps.
 
         The first probe is not gated: the method's recent sessions may all have been other
         prompts (a code edit after a run of open-ended code requests), and without it a session
         whose prompt pays waits `probe_interval` steps, half of a 32-token request. It costs a
         useless draft one probe per request; the early re-probes stay gated."""
-        if unproven:
+        if unproven or self._echo_streak >= ECHO_STREAK:
             return True
         if self._idle_steps < self._interval:
             return False
@@ -992,7 +1012,8 @@ class DepthController:
         self._pending_side = self._pending_steps = 0
 
     def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int,
-                pass_block_length: int = 0, compute_ms: float | None = None, requested: int | None = None) -> None:
+                pass_block_length: int = 0, compute_ms: float | None = None, requested: int | None = None,
+                echo: bool = False) -> None:
         """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size,
         and the positions per row of its pass (the longest block in the batch, which is what the
         pass cost; 0 when the target did not say, then this block's k + 1).
@@ -1008,7 +1029,12 @@ class DepthController:
         compute time and the rest of `verify_ms` (the round trip, the coordinator's own work) goes
         to the cost model's per-step overhead: that part does not grow with the block, and under
         load it swings by tens of ms, which in a cell seen only a few times tilted the line's
-        slope several-fold (a rare long block at batch 1 during a busy spell)."""
+        slope several-fold (a rare long block at batch 1 during a busy spell).
+
+        `echo` (a step that drafted nothing): whether the token it produced was the one that
+        followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
+        of them in a row make the next k = 0 step a probe step."""
+        self._echo_streak = self._echo_streak + 1 if k == 0 and echo else 0
         if self._probed and k == 0:
             self._probed = False
             self._idle_steps = self._interval

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
 from coordinator.controller import DepthController, LoadSignal
+from coordinator.echo import ECHO_METHODS, echo_guess, echo_hit
 from coordinator.failover import (DraftLink, FailoverOutcome, FaultHook, TargetLink, TargetSessionLike,  # noqa: F401
                                   VerifierLike)
 from coordinator.stats import SpecStats
@@ -195,6 +196,9 @@ class SpeculativeEngine:
                             want_features=draft is not None and draft.features is not None)
         context = lambda: gen.prompt_ids + gen.token_ids  # noqa: E731  (the draft session opens on it)
         predrafted: Proposal | None = None  # the next block, drafted during the last verify
+        # a k = 0 step of a context drafter checks whether its token echoes the context (coordinator/echo.py)
+        echoing = controller is not None and controller.mode == "auto" and self.proposer is not None \
+            and self.proposer.name in ECHO_METHODS
         step = 0
         try:
             first = target.prefill(gen.token_ids)
@@ -232,6 +236,7 @@ class SpeculativeEngine:
                 ahead = None
                 if self.pipeline and draft is not None and proposal.tokens and wanted > 0:
                     ahead = draft.start_ahead(list(proposal.tokens), wanted + 1, step)
+                guess = echo_guess(context()) if echoing and not proposal.tokens else None
                 t = time.perf_counter()
                 outcome = target.verify(proposal, gen.token_ids)
                 verify_s = time.perf_counter() - t
@@ -257,7 +262,8 @@ class SpeculativeEngine:
                         controller.observe(len(proposal.tokens), outcome.num_accepted, draft_s * 1000, service_ms,
                                            getattr(outcome, "batch_size", 1),
                                            pass_block_length=getattr(outcome, "pass_block_length", 0),
-                                           compute_ms=getattr(outcome, "compute_ms", None), requested=k)
+                                           compute_ms=getattr(outcome, "compute_ms", None), requested=k,
+                                           echo=echo_hit(guess, outcome.tokens))
                 if draft is not None:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)

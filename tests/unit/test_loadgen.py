@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.bench_load import best_fixed, cell_window
+from coordinator.bench_load import best_fixed, cell_order, cell_window
 from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
 
@@ -102,3 +102,12 @@ def test_a_cut_request_counts_its_streamed_steps_and_k_over_time_uses_chunk_time
     assert s["mean_k"] == pytest.approx((2 + 0 + 4 + 4) / 4)
     # at their chunks' times, not spread over the request
     assert k_over_time([done, cut], bin_s=2.0) == [(0.0, 3.0, 2), (2.0, 4.0, 1), (4.0, 0.0, 1)]
+
+
+def test_cell_order_moves_every_configuration_to_new_neighbours() -> None:
+    configs = [(n, n) for n in ("off", "k2", "k4", "k8", "auto")]
+    orders = [[n for n, _ in cell_order(configs, run)] for run in range(3)]
+    assert all(sorted(o) == sorted(n for n, _ in configs) for o in orders)
+    assert orders[0] == ["off", "k2", "k4", "k8", "auto"]
+    after = [o[o.index("auto") - 1] if o.index("auto") else None for o in orders]
+    assert len(set(after)) == 3, after  # auto follows a different cell in each of three runs
