@@ -47,6 +47,7 @@ __all__ = [
     "make_controller",
     "pass_alphas",
     "pass_rates",
+    "probe_period",
     "pass_sessions",
 ]
 
@@ -582,11 +583,25 @@ MIN_SESSIONS = 4
 FILL_PRIOR = 2.0
 FILL_WINDOW = 16.0
 # In a batch, a replica opens a probe pass (where its k = 0 sessions that want to probe do so
-# together) at most once in this many passes: a probe at batch 16 costs about 0.8 of a pass,
-# so about 5 % of the time.
+# together) at most once in `probe_period` passes: at least this many, and more where a probe
+# pass costs more than PROBE_BUDGET of the time.
 PROBE_EPOCH_PASSES = 16
+PROBE_BUDGET = 0.02
 # k = 0 steps in a row whose token the context predicted (coordinator/echo.py) that make a probe step
 ECHO_STREAK = 2
+
+
+def probe_period(plain_ms: float, probe_ms: float, budget: float | None = None, least: int | None = None) -> int:
+    """Passes between a replica's probe passes, so that probing costs at most `budget` of the
+    time: a probe pass takes `probe_ms` where a plain one takes `plain_ms`, and one in `period`
+    passes is a probe pass. At least `least`. At batch 16 on this project's CPU machines a block
+    of 3 costs about 1.8x a plain pass: 40 passes, where a fixed 16 spent 5 % of the time on
+    probes, more than auto's whole allowance against speculation off (0.97x). Defaults:
+    PROBE_BUDGET and PROBE_EPOCH_PASSES."""
+    budget = PROBE_BUDGET if budget is None else budget
+    least = PROBE_EPOCH_PASSES if least is None else least
+    extra = max(probe_ms / plain_ms - 1.0, 0.0) if plain_ms > 0 else 0.0
+    return max(least, math.ceil(extra / budget))
 
 
 class SharedAcceptance:
@@ -975,20 +990,26 @@ class DepthController:
         deepest = self.peers.deepest(self._peer)
         if deepest > 0:
             return min(self.probe_k, deepest)
-        pass_s = self.cost_model.verify_ms(1, b) / 1000.0
-        return self.probe_k if self.peers.probe_slot(pass_s, PROBE_EPOCH_PASSES) else 0
+        plain_ms = self.cost_model.verify_ms(1, b)
+        period = probe_period(plain_ms, self.cost_model.verify_ms(self.probe_k + 1, b))
+        return self.probe_k if self.peers.probe_slot(plain_ms / 1000.0, period) else 0
 
     def _probe_due(self, unproven: bool, load: LoadSignal | None) -> bool:
         """Whether this k = 0 step is a probe step: the first (an unproven session, always), one
         whose last ECHO_STREAK tokens echoed the context (the output started copying), the early
         re-probes when early probes pay, else only after `probe_interval` idle steps.
 
-        The first probe is not gated: the method's recent sessions may all have been other
+        Alone, the first probe is not gated: the method's recent sessions may all have been other
         prompts (a code edit after a run of open-ended code requests), and without it a session
         whose prompt pays waits `probe_interval` steps, half of a 32-token request. It costs a
-        useless draft one probe per request; the early re-probes stay gated."""
-        if unproven or self._echo_streak >= ECHO_STREAK:
+        useless draft one probe per request; the early re-probes stay gated. In a batch the first
+        probe is gated too: it lengthens every row's pass, and at 16 sessions of 32-token
+        requests a new session arrives every other pass; a copying prompt still gets its probe
+        from its echoes."""
+        if self._echo_streak >= ECHO_STREAK:
             return True
+        if unproven:
+            return self._batch(load) <= 1 or self._early_probes_pay(load)
         if self._idle_steps < self._interval:
             return False
         return self._early_probes_pay(load) or self._idle_steps >= self.probe_interval

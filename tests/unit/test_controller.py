@@ -22,6 +22,8 @@ from coordinator.controller import (
     make_controller,
     pass_alphas,
     pass_rates,
+    probe_period,
+    PROBE_EPOCH_PASSES,
     pass_sessions,
 )
 
@@ -677,7 +679,8 @@ def test_probe_slot_opens_once_a_period_and_the_sessions_of_that_pass_join_it() 
     assert peers.probe_slot(0.2, 16)
 
 
-def steady_batch_probe_passes(epoch_passes: int, monkeypatch, passes: int = 240) -> list[int]:
+def steady_batch_probe_passes(epoch_passes: int, monkeypatch, passes: int = 240,
+                              budget: float = 0.02) -> list[int]:
     """A replica kept at 8 sessions: every pass one session ends and a new one arrives. Each
     session accepts at 0.75, just short of paying at this batch size, so that a session that
     counts itself at the optimistic 0.9 sees a pass it could turn; the method's recent sessions
@@ -687,6 +690,7 @@ def steady_batch_probe_passes(epoch_passes: int, monkeypatch, passes: int = 240)
     import coordinator.controller as controller
 
     monkeypatch.setattr(controller, "PROBE_EPOCH_PASSES", epoch_passes)
+    monkeypatch.setattr(controller, "PROBE_BUDGET", budget)
     now = [0.0]
     cm = simulated_cost_model()
     shared = shared_after_sessions([0.2] * 28 + [0.95] * 4)
@@ -713,12 +717,13 @@ def steady_batch_probe_passes(epoch_passes: int, monkeypatch, passes: int = 240)
 
 def test_sessions_arriving_one_by_one_probe_together_in_few_passes(monkeypatch) -> None:
     """Unaligned, each new session probes in a pass of its own and most passes are lengthened;
-    lined up, a probe pass comes once in PROBE_EPOCH_PASSES and carries every waiting session."""
-    unaligned = [n for n in steady_batch_probe_passes(1, monkeypatch) if n > 0]
+    lined up, a probe pass comes once in `probe_period` passes and carries every waiting session."""
+    unaligned = [n for n in steady_batch_probe_passes(1, monkeypatch, budget=1e9) if n > 0]
     lined_up = steady_batch_probe_passes(16, monkeypatch)
     long_passes = [n for n in lined_up if n > 0]
-    # the period is 16 one-token passes of time, and a probe pass is about two of them
-    assert 0 < len(long_passes) <= len(lined_up) / 14 + 2, lined_up
+    # a probe pass costs about 1.07 plain ones at batch 8 in the simulation: the period is 54
+    # one-token passes of time, and a probe pass is about two of them
+    assert 0 < len(long_passes) <= len(lined_up) / 50 + 2, lined_up
     assert len(unaligned) > 2 * len(long_passes), (unaligned, long_passes)
     assert max(long_passes) >= 4  # the waiting sessions probed together
 
@@ -800,3 +805,23 @@ def test_a_gated_session_probes_as_soon_as_its_output_echoes_its_context() -> No
     echoing = drive(echo_from=4)
     # steps 4 and 5 echoed; the probe at 6 accepted nothing, and two more echoes call the next
     assert [t for t, k in enumerate(echoing) if k > 0] == [0, 6, 9]
+
+
+def test_probe_period_keeps_probing_within_its_budget() -> None:
+    assert probe_period(100.0, 180.0) == 40  # batch 16 here: a probe pass is 1.8 plain ones
+    assert probe_period(100.0, 110.0) == PROBE_EPOCH_PASSES  # cheap probes: the least period
+    assert probe_period(100.0, 180.0, budget=0.05) == PROBE_EPOCH_PASSES
+    assert probe_period(0.0, 10.0) == PROBE_EPOCH_PASSES  # no costs known yet
+
+
+def test_a_new_session_in_a_batch_whose_method_did_not_pay_does_not_probe_first() -> None:
+    """Alone, a new session probes at its first step whatever its method's recent sessions did;
+    in a batch of 4, where their upper tail would not pay, it does not: its probe would lengthen
+    every row's pass, and a copying prompt gets its probe from its echoes instead. A method whose
+    recent prompts did pay there still probes at the first step."""
+    cm = simulated_cost_model()
+    load = LoadSignal(0, 4, 0.25, 16)
+    poor = shared_after_sessions([0.5] * 32)
+    assert make_controller("auto", K_MAX, cm, poor).choose(LoadSignal(0, 1)) > 0
+    assert make_controller("auto", K_MAX, cm, poor).choose(load) == 0
+    assert make_controller("auto", K_MAX, cm, shared_after_sessions([0.95] * 32)).choose(load) > 0
