@@ -60,7 +60,7 @@ def slot_order(rows: list[RowInput]) -> list[int] | None:
     The scheduler batches sessions in arrival order, which at 16 sessions is a shuffle of slots
     0..15; the cache view reads a contiguous run of slots as a slice but any other order by
     gathering every layer's K and V (a copy of the whole batch's cache per layer). In slot order
-    a batch of the lowest slots is a slice: 10-15 % off a batch-16 pass at 600 cached tokens
+    a batch of the lowest slots is a slice: about a fifth off a batch-16 pass at 600 cached tokens
     (docs/benchmarks.md, "Batch rows in slot order")."""
     order = sorted(range(len(rows)), key=lambda b: rows[b].slot)
     return None if order == list(range(len(rows))) else order
