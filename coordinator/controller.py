@@ -47,8 +47,8 @@ __all__ = [
     "make_controller",
     "pass_alphas",
     "pass_rates",
-    "probe_period",
     "pass_sessions",
+    "probe_period",
 ]
 
 Costs = Callable[[int], float] | Sequence[float]

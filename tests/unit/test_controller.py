@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from coordinator.echo import echo_guess, echo_hit
 from coordinator.controller import (
+    PROBE_EPOCH_PASSES,
     AcceptanceEstimator,
     CostModel,
     DepthController,
@@ -22,10 +22,10 @@ from coordinator.controller import (
     make_controller,
     pass_alphas,
     pass_rates,
-    probe_period,
-    PROBE_EPOCH_PASSES,
     pass_sessions,
+    probe_period,
 )
+from coordinator.echo import echo_guess, echo_hit
 
 K_MAX = 8
 
