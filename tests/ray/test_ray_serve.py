@@ -1,9 +1,9 @@
 """The Ray Serve application, locally: deployed from deploy/ray/serve_config.yaml on
-`ray.init(num_cpus=2)` with the default model, called through Serve's gRPC proxy."""
+`ray.init(num_cpus=2)` with the default model, called through Serve's gRPC proxy. Ray's driver
+runs in a child process (tests/ray/serve_process.py says why)."""
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,17 +11,15 @@ import yaml
 
 pytest.importorskip("ray.serve")
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-
 from coordinator.client import build_request  # noqa: E402
 from specd.grpc_server import make_channel  # noqa: E402
 from specd.launcher import free_port  # noqa: E402
 from specd.openmp import OPENMP_DEFAULTS  # noqa: E402
-from specd.ray_serve.deploy import DEFAULT_CONFIG, ROOT, deploy, load_config  # noqa: E402
+from specd.ray_serve.deploy import DEFAULT_CONFIG, ROOT, load_config  # noqa: E402
 from specd.sampling import SamplingParams  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 from tests.conftest import hf_greedy  # noqa: E402
+from tests.ray.serve_process import RayServeProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,45 +29,21 @@ METADATA = (("application", "specd"),)
 
 @pytest.fixture(scope="module")
 def serve_app():
-    # Ray's workers inherit the environment: make the repository importable in them.
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     grpc_port = free_port()
     # Two target replicas (half a CPU each, to fit 2 CPUs), so that session affinity is exercised.
     config = load_config(grpc_port=grpc_port, http_port=free_port(), args={"k": 4},
                          deployments={"target": {"ray_actor_options": {"num_cpus": 0.5},
                                                  "autoscaling_config": {"initial_replicas": 2}}})
+    app = RayServeProcess(config, num_cpus=2, pythonpath=str(ROOT))
     try:
-        client = deploy(config)
-        yield client, f"127.0.0.1:{grpc_port}"
+        yield app, f"127.0.0.1:{grpc_port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
-
-
-@ray.remote(num_cpus=0)
-def _stats_by_replica(replica_ids: list[str]) -> dict[str, dict]:
-    """Runs in a Ray worker, not in this pytest process: a DeploymentHandle made in the driver keeps a
-    router thread that touches the core worker after `ray.shutdown()`, and Ray then exits the whole
-    process with status 1 (pytest dies mid-run with no summary)."""
-    handle = serve.get_deployment_handle("target", "specd")
-    return {rid: handle.options(session_id=f"{rid}/0").stats.remote().result(timeout_s=30) for rid in replica_ids}
-
-
-def target_replica_stats(client) -> dict[str, dict]:
-    """Each target replica's own stats, reached by a session id that names it (the router's rule)."""
-    replicas = client.get_serve_details()["applications"]["specd"]["deployments"]["target"]["replicas"]
-    return ray.get(_stats_by_replica.remote([r["replica_id"] for r in replicas]), timeout=60)
+        app.close()
 
 
 def test_generate_through_the_grpc_proxy_is_exact_with_sessions_on_both_targets(serve_app, target, workload_prompts):
-    client, address = serve_app
-    before = target_replica_stats(client)
+    app, address = serve_app
+    before = app.replica_stats()
     assert len(before) == 2 and all(rid == s["replica"] for rid, s in before.items())
     cases = []
     for p in workload_prompts[:4]:
@@ -103,7 +77,7 @@ def test_generate_through_the_grpc_proxy_is_exact_with_sessions_on_both_targets(
     assert list(bare.token_ids) == cases[1][1]
     # Both target replicas verified sessions, and every verify found its session on the replica
     # that held it (a call routed elsewhere fails with NOT_FOUND, and the outputs would not be exact).
-    after = target_replica_stats(client)
+    after = app.replica_stats()
     assert all(after[rid]["forward_passes"] > before[rid]["forward_passes"] for rid in after), (before, after)
     assert all(s["open_sessions"] == 0 for s in after.values())
 
@@ -122,9 +96,9 @@ def test_bad_input_comes_back_as_invalid_argument(serve_app):
 
 
 def test_deployments_run_with_the_config_files_autoscaling(serve_app):
-    client, _ = serve_app
+    app, _ = serve_app
     wanted = {d["name"]: d for d in yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["deployments"]}
-    details = client.get_serve_details()["applications"]["specd"]["deployments"]
+    details = app.details()["applications"]["specd"]["deployments"]
     assert set(details) == {"target", "draft", "coordinator"}
     for name, spec in wanted.items():
         config = details[name]["deployment_config"]
