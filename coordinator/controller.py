@@ -123,7 +123,7 @@ def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Co
     twelve, someone nearly always drafts, and every row pays for drafts that half of them lack.
 
     `profile` (optional): the first session's conditional acceptance per draft position,
-    P(accept i | accepted < i) (`AcceptanceEstimator.position_rates`); positions past its end, and
+    P(accept i | accepted < i) (`AcceptanceEstimator.profile`); positions past its end, and
     every other session, at their single rate. One rate per session is the geometric model, which
     fits a draft whose every token is an independent guess; a copying draft is all or nothing
     (a code edit either is in the unchanged code, where whole blocks go through, or is not), its
@@ -315,6 +315,23 @@ class AcceptanceEstimator:
         a, w = self.alpha, self.prior_weight
         return [(s + w * a) / (n + w) for s, n in zip(self.successes, self.trials)]
 
+    @property
+    def continuation_rate(self) -> float:
+        """Conditional acceptance of a position after the first, pooled over positions 1 and on and
+        shrunk toward `alpha`: the rate to assume for positions deeper than any drafted yet. For a
+        geometric draft it is `alpha`; for a copying draft (all or nothing) it is near 1, and
+        `alpha` there (pulled down by position 0) would price every unseen position as a
+        first one, which held code edits at the depth they happened to start at."""
+        a, w = self.alpha, self.prior_weight
+        return (sum(self.successes[1:]) + w * a) / (sum(self.trials[1:]) + w)
+
+    def profile(self, depth: int) -> list[float]:
+        """`position_rates` for positions 0..depth - 1, the unseen ones at `continuation_rate`."""
+        rates = self.position_rates[:depth]
+        if len(rates) < depth and rates:
+            rates += [self.continuation_rate] * (depth - len(rates))
+        return rates
+
 
 # ---------------------------------------------------------------------------------------------
 # Costs
@@ -406,6 +423,7 @@ class CostModel:
         self._verify: dict[int, dict[int, _Mean]] = {}
         self._draft: dict[int, _Mean] = {}
         self._overhead = _Mean()  # ms per verify step outside the pass, when the replica reports its pass time
+        self._open = _Mean()  # ms to open a draft session (a probe from k = 0 opens one)
         self._lines: dict[int, tuple[float, float]] = {}
         self._draft_line: tuple[float, float] | None = None
         self._lock = threading.Lock()
@@ -435,6 +453,17 @@ class CostModel:
                 cell = self._draft.setdefault(k, _Mean())
                 cell.add(_clip(ms, cell), DRAFT_WINDOW)
                 self._draft_line = None
+
+    def observe_open(self, ms: float) -> None:
+        """Opening a draft session (its stream, the draft's prefill of the context) took `ms`."""
+        if ms >= 0:
+            with self._lock:
+                self._open.add(ms, self.window)
+
+    def open_ms(self) -> float:
+        """Estimated time to open a draft session (0 before any was seen)."""
+        with self._lock:
+            return self._open.mean
 
     def verify_table(self) -> list[tuple[int, int, int, float]]:
         """The observed verify cells as (batch_size, block_length, count, mean_ms) rows."""
@@ -587,6 +616,9 @@ FILL_WINDOW = 16.0
 # pass costs more than PROBE_BUDGET of the time.
 PROBE_EPOCH_PASSES = 16
 PROBE_BUDGET = 0.02
+# A probe step costing at most this share of a plain step over it is cheap: an unproven session
+# takes its first probe whatever its method's recent prompts did (alone with an n-gram draft).
+CHEAP_PROBE = 0.25
 # k = 0 steps in a row whose token the context predicted (coordinator/echo.py) that make a probe step
 ECHO_STREAK = 2
 
@@ -661,8 +693,23 @@ class SharedAcceptance:
 
     @property
     def alpha(self) -> float:
+        """The method's acceptance per drafted token over its recent steps."""
         with self._lock:
             return min(max(self._estimator.alpha, self.lo), self.hi)
+
+    @property
+    def seed(self) -> float:
+        """Where a new session's acceptance starts: the mean over the recent sessions that drafted
+        (each session counts once), `alpha` until MIN_SESSIONS have.
+
+        The pooled `alpha` counts drafted tokens, and the controller drafts most where acceptance
+        is best, so it leans toward the best prompts: after summaries a chat prompt started at
+        k = 12-13 and paid for 13-token blocks that kept one or two tokens. What a new prompt
+        accepts is a draw from the prompts, not from the tokens."""
+        with self._lock:
+            if len(self._sessions) < MIN_SESSIONS:
+                return min(max(self._estimator.alpha, self.lo), self.hi)
+            return min(max(sum(self._sessions) / len(self._sessions), self.lo), self.hi)
 
 
 class PassPeers:
@@ -864,7 +911,7 @@ class DepthController:
         self.probe_alpha = probe_alpha
         if estimator is None:
             # Seeded from the shared rate, but lightly: its sessions ran other prompts.
-            estimator = AcceptanceEstimator(alpha0=shared.alpha, prior_weight=2.0) if shared is not None else AcceptanceEstimator()
+            estimator = AcceptanceEstimator(alpha0=shared.seed, prior_weight=2.0) if shared is not None else AcceptanceEstimator()
         self.estimator = estimator
         self.shared = shared
         self.k: int | None = None  # the committed depth (a probe step does not change it)
@@ -913,7 +960,7 @@ class DepthController:
         # Alone, a copying session's positions count at their own rates; in a pass the pooled rate
         # decides: position 0's rate alone is the noisier estimate, and at batch 12 with geometric
         # acceptance 0.9 it turned a 2-3 token block off in 9 of 30 simulated sessions, not 1.
-        profile = self.estimator.position_rates if optimistic is None and b == 1 else None
+        profile = self.estimator.profile(self.k_max) if optimistic is None and b == 1 else None
         return pass_rates(alphas, cm.draft_ms, verify, self.k_max, fills, profile), b
 
     def _policy(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> int:
@@ -970,8 +1017,9 @@ class DepthController:
             # again soon after, as long as some recent prompt of this method was worth it. The
             # recent sessions are only consulted on a step that could probe.
             unproven = self.shared is not None and not self._drafted
-            if self._probe_due(unproven, load) and self._policy(optimistic, load, optimistic) > 0:
-                depth = self._probe_depth(load)
+            wanted = self._policy(optimistic, load, optimistic) if self._probe_due(unproven, load) else 0
+            if wanted > 0:
+                depth = self._probe_depth(load, wanted if self._echo_streak >= ECHO_STREAK else 0)
                 if depth > 0:
                     self._idle_steps = 0
                     self._probed = True
@@ -979,14 +1027,18 @@ class DepthController:
         self.history.append(k)
         return k
 
-    def _probe_depth(self, load: LoadSignal | None) -> int:
-        """The depth of a probe this step, 0 for none yet. Alone, `probe_k`. In a batch the probe
-        lengthens every row's pass: where a peer already speculates the pass is long anyway and
-        the probe drafts within it (up to that depth); otherwise it waits for the replica's next
-        probe pass (`PassPeers.probe_slot`), where the sessions that want to probe do so together."""
+    def _probe_depth(self, load: LoadSignal | None, echoed: int = 0) -> int:
+        """The depth of a probe this step, 0 for none yet. Alone, `probe_k`, or after echoes
+        `echoed` (the depth that would pay at `probe_alpha`): the output is copying its context,
+        a copy goes through in whole blocks, and alone a deep block costs little more than a short
+        one (a code edit probed at 2 after its first block missed, then took 8 and 15 tokens a
+        step, where fixed k = 16 had its 17 a step earlier). In a batch the probe lengthens every
+        row's pass: where a peer already speculates the pass is long anyway and the probe drafts
+        within it (up to that depth); otherwise it waits for the replica's next probe pass
+        (`PassPeers.probe_slot`), where the sessions that want to probe do so together."""
         b = self._batch(load)
         if self.peers is None or b <= 1:
-            return self.probe_k
+            return max(self.probe_k, echoed)
         deepest = self.peers.deepest(self._peer)
         if deepest > 0:
             return min(self.probe_k, deepest)
@@ -995,24 +1047,49 @@ class DepthController:
         return self.probe_k if self.peers.probe_slot(plain_ms / 1000.0, period) else 0
 
     def _probe_due(self, unproven: bool, load: LoadSignal | None) -> bool:
-        """Whether this k = 0 step is a probe step: the first (an unproven session, always), one
-        whose last ECHO_STREAK tokens echoed the context (the output started copying), the early
-        re-probes when early probes pay, else only after `probe_interval` idle steps.
+        """Whether this k = 0 step is a probe step: one whose last ECHO_STREAK tokens echoed the
+        context (the output started copying); the first (an unproven session) and the early
+        re-probes when early probes pay (`_early_probes_pay`); the first also when a probe costs
+        at most CHEAP_PROBE of a plain step; else one every `_gated_interval` idle steps.
 
-        Alone, the first probe is not gated: the method's recent sessions may all have been other
-        prompts (a code edit after a run of open-ended code requests), and without it a session
-        whose prompt pays waits `probe_interval` steps, half of a 32-token request. It costs a
-        useless draft one probe per request; the early re-probes stay gated. In a batch the first
-        probe is gated too: it lengthens every row's pass, and at 16 sessions of 32-token
-        requests a new session arrives every other pass; a copying prompt still gets its probe
-        from its echoes."""
+        The first probe is gated like the early ones unless it is cheap: a useless draft model
+        paid for one probe per request (about 3 % of a 32-token request at concurrency 1, half
+        of auto's allowance against speculation off), and in a batch a probe lengthens every
+        row's pass. Alone, an n-gram probe costs a few ms, and gating it cost the first
+        copying prompt after a run of open-ended ones its first steps (extract at concurrency 1
+        fell from 1.06x to 0.87x the best fixed k); echoes would find it too, two steps later."""
         if self._echo_streak >= ECHO_STREAK:
             return True
-        if unproven:
-            return self._batch(load) <= 1 or self._early_probes_pay(load)
-        if self._idle_steps < self._interval:
+        if self._idle_steps < self._interval and not unproven:
             return False
-        return self._early_probes_pay(load) or self._idle_steps >= self.probe_interval
+        if self._early_probes_pay(load) or (unproven and self._probe_extra_cost(load) <= CHEAP_PROBE):
+            return True
+        return self._idle_steps >= self._gated_interval(load)
+
+    def _probe_extra_cost(self, load: LoadSignal | None) -> float:
+        """What a probe step costs over a plain one, as a share of the plain one: alone with an
+        n-gram draft about 0.1 (a block of 3 and no model to run), from a draft model about 0.6
+        (its prefill of the context, its passes, the round trips), in a batch of 16 about 0.8
+        (every row's pass grows)."""
+        plain_ms, probe_ms = self._probe_step_ms(load)
+        return probe_ms / plain_ms - 1.0 if plain_ms > 0 else 0.0
+
+    def _gated_interval(self, load: LoadSignal | None) -> int:
+        """Idle steps between the probes of a session whose method's recent prompts did not pay:
+        `probe_interval`, or more where a probe step costs more than PROBE_BUDGET of the steps
+        between (`probe_period`): alone, a probe of 2 from a draft model cost about 1.6 plain
+        steps, so 16 steps between probes spent 4 % of the time on a draft that never paid."""
+        plain_ms, probe_ms = self._probe_step_ms(load)
+        return probe_period(plain_ms, probe_ms, least=self.probe_interval)
+
+    def _probe_step_ms(self, load: LoadSignal | None) -> tuple[float, float]:
+        """A plain step's and a probe step's estimated time at this load. A probe from k = 0
+        opens the draft session too (it is closed while the session is off), which for a draft
+        model is its prefill of the whole context: most of the probe's cost."""
+        b = self._batch(load)
+        cm = self.cost_model
+        plain_ms = cm.verify_ms(1, b)
+        return plain_ms, cm.verify_ms(self.probe_k + 1, b) + cm.draft_ms(self.probe_k) + cm.open_ms()
 
     def _early_probes_pay(self, load: LoadSignal | None) -> bool:
         """Whether the best recent sessions of this method (`SharedAcceptance.best_sessions`)
@@ -1034,7 +1111,7 @@ class DepthController:
 
     def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int,
                 pass_block_length: int = 0, compute_ms: float | None = None, requested: int | None = None,
-                echo: bool = False) -> None:
+                echo: bool = False, open_ms: float = 0.0) -> None:
         """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size,
         and the positions per row of its pass (the longest block in the batch, which is what the
         pass cost; 0 when the target did not say, then this block's k + 1).
@@ -1051,6 +1128,9 @@ class DepthController:
         to the cost model's per-step overhead: that part does not grow with the block, and under
         load it swings by tens of ms, which in a cell seen only a few times tilted the line's
         slope several-fold (a rare long block at batch 1 during a busy spell).
+
+        `open_ms`: the part of the draft call spent opening the draft session (not in `draft_ms`;
+        what a probe from k = 0 costs on top, `_probe_step_ms`).
 
         `echo` (a step that drafted nothing): whether the token it produced was the one that
         followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
@@ -1072,6 +1152,8 @@ class DepthController:
             self.shared.update(k, num_accepted)
         if k > 0:
             self.cost_model.observe_draft(k, draft_ms)
+        if open_ms > 0:
+            self.cost_model.observe_open(open_ms)
         block = max(pass_block_length, k + 1)
         if compute_ms is None:
             self.cost_model.observe_verify(batch_size, block, verify_ms)

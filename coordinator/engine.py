@@ -219,7 +219,7 @@ class SpeculativeEngine:
                 else:
                     wanted = self.k
                 k = min(wanted, limit)
-                draft_s = 0.0
+                draft_s = open_s = 0.0
                 proposal = Proposal()
                 if k > 0 and draft is not None:
                     if predrafted is not None:
@@ -229,7 +229,8 @@ class SpeculativeEngine:
                         proposal = draft.propose(context, k, step)
                         # Opening the draft session (a new stream, the draft's prefill) is not a
                         # cost per step: counted in, it priced every later k as if it reopened one.
-                        draft_s = time.perf_counter() - t - draft.open_s
+                        open_s = draft.open_s
+                        draft_s = time.perf_counter() - t - open_s
                 elif draft is not None and wanted == 0:  # speculation is off for now: free the draft's state
                     draft.close()
                 predrafted = None
@@ -263,7 +264,7 @@ class SpeculativeEngine:
                                            getattr(outcome, "batch_size", 1),
                                            pass_block_length=getattr(outcome, "pass_block_length", 0),
                                            compute_ms=getattr(outcome, "compute_ms", None), requested=k,
-                                           echo=echo_hit(guess, outcome.tokens))
+                                           echo=echo_hit(guess, outcome.tokens), open_ms=open_s * 1000)
                 if draft is not None:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from coordinator.controller import (
+    CHEAP_PROBE,
     PROBE_EPOCH_PASSES,
     AcceptanceEstimator,
     CostModel,
@@ -554,6 +555,15 @@ def test_a_failed_first_probe_is_retried_soon_then_less_often() -> None:
     assert all(b >= a for a, b in zip(gaps, gaps[1:])), gaps
 
 
+def draft_model_cost_model() -> CostModel:
+    """The simulated target with a draft model that takes 6 ms a token: a probe of 2 costs 0.5
+    of a plain step over it, not cheap (CHEAP_PROBE)."""
+    cm = simulated_cost_model()
+    for _ in range(8):
+        cm.observe_draft(2, 12.0)
+    return cm
+
+
 def shared_after_sessions(alphas: list[float]) -> SharedAcceptance:
     """A method's shared acceptance after sessions that drafted ended with these acceptances."""
     shared = SharedAcceptance(alpha0=0.02)
@@ -569,14 +579,20 @@ def test_best_sessions_is_the_upper_tail_of_recent_sessions() -> None:
     assert shared_after_sessions([0.9] * 32 + [0.01] * 32).best_sessions() == 0.01  # only the last 32 are kept
 
 
-def test_a_draft_no_recent_prompt_accepted_probes_once_then_at_the_regular_interval() -> None:
-    """A useless draft (every recent session ended near 0): a new session probes once at its first
-    step (its prompt may be unlike the recent ones), then not at the early re-probes (4 and 8
-    steps later), which were the main cost of a useless draft on short requests."""
+def test_a_draft_no_recent_prompt_accepted_probes_only_at_the_gated_interval() -> None:
+    """A useless draft (every recent session ended near 0): a new session does not probe at its
+    first step nor at the early re-probes, only every `_gated_interval` steps, which keeps the
+    probes within PROBE_BUDGET of the time (a probe step from a slow draft costs more than 16
+    plain steps' 2 %); a method some of whose recent prompts paid probes at the first step."""
     useless = shared_after_sessions([0.01] * 32)
-    off = make_controller("auto", K_MAX, simulated_cost_model(), useless)
-    probes = [t for t, k in enumerate(run_session(off, [0.0] * 80)) if k > 0]
-    assert probes[:2] == [0, off.probe_interval], probes
+    cm = draft_model_cost_model()
+    off = make_controller("auto", K_MAX, cm, useless)
+    interval = off._gated_interval(None)
+    assert interval > off.probe_interval
+    assert interval == probe_period(cm.verify_ms(1, 1), cm.verify_ms(3, 1) + cm.draft_ms(2))
+    probes = [t for t, k in enumerate(run_session(off, [0.0] * 150)) if k > 0]
+    assert probes and probes[0] == interval - 1, probes  # idle steps count from the first step
+    # run_session's steps report free drafts, so the learnt probe cost and the interval fall
     assert all(b - a >= off.probe_interval for a, b in zip(probes, probes[1:])), probes
     mixed = shared_after_sessions([0.01] * 28 + [0.9] * 4)  # some prompts of this method pay
     assert make_controller("auto", K_MAX, simulated_cost_model(), mixed).choose() > 0
@@ -748,11 +764,16 @@ def test_a_new_session_starts_from_the_methods_recent_fill() -> None:
     assert all(s.target(load) > 0 for s in full)
 
 
-def test_a_copying_prompt_after_a_run_of_poor_ones_finds_out_at_its_first_step() -> None:
-    poor = shared_after_sessions([0.01] * 32)  # the median and the upper tail both say "off"
-    edit = make_controller("auto", K_MAX, simulated_cost_model(), poor)
-    history = run_session(edit, [0.98] * 16)
-    assert history[0] > 0 and history[-1] >= 4, history
+def test_a_copying_prompt_after_a_run_of_poor_ones_finds_out_from_its_echoes() -> None:
+    """After prompts that did not pay, a copying prompt's first step does not probe; its first two
+    tokens echo its context, and from then on it drafts deep."""
+    poor = shared_after_sessions([0.01] * 32)  # the mean and the upper tail both say "off"
+    edit = make_controller("auto", K_MAX, draft_model_cost_model(), poor)
+    for _ in range(16):
+        k = edit.choose()
+        edit.observe(k, k, 0.0, simulated_verify_ms(k + 1, 1), 1, echo=k == 0)
+    history = edit.history
+    assert history[:2] == [0, 0] and history[2] >= 4 and history[-1] >= 4, history
 
 
 # per-position rates and echoes ---------------------------------------------------------------
@@ -795,16 +816,16 @@ def test_a_gated_session_probes_as_soon_as_its_output_echoes_its_context() -> No
     """A session of a method whose recent prompts did not pay waits `probe_interval` steps between
     probes; two k = 0 steps in a row whose tokens the context predicted make the next step one."""
     def drive(echo_from: int) -> list[int]:
-        controller = make_controller("auto", K_MAX, simulated_cost_model(), shared_after_sessions([0.01] * 32))
+        controller = make_controller("auto", K_MAX, draft_model_cost_model(), shared_after_sessions([0.01] * 32))
         for t in range(12):
             k = controller.choose()
             controller.observe(k, 0, 0.0, simulated_verify_ms(k + 1, 1), 1, echo=t >= echo_from)
         return controller.history
     quiet = drive(echo_from=99)
-    assert [t for t, k in enumerate(quiet) if k > 0] == [0]  # the first probe, then the interval
+    assert [t for t, k in enumerate(quiet) if k > 0] == []  # gated: the first probe too
     echoing = drive(echo_from=4)
     # steps 4 and 5 echoed; the probe at 6 accepted nothing, and two more echoes call the next
-    assert [t for t, k in enumerate(echoing) if k > 0] == [0, 6, 9]
+    assert [t for t, k in enumerate(echoing) if k > 0] == [6, 9]
 
 
 def test_probe_period_keeps_probing_within_its_budget() -> None:
@@ -825,3 +846,78 @@ def test_a_new_session_in_a_batch_whose_method_did_not_pay_does_not_probe_first(
     assert make_controller("auto", K_MAX, cm, poor).choose(LoadSignal(0, 1)) > 0
     assert make_controller("auto", K_MAX, cm, poor).choose(load) == 0
     assert make_controller("auto", K_MAX, cm, shared_after_sessions([0.95] * 32)).choose(load) > 0
+
+
+def test_unseen_positions_continue_at_the_later_positions_rate() -> None:
+    """A copying draft seen only at depth 3 (all or nothing) prices deeper positions at the rate of
+    its positions after the first, not at the pooled rate that its first position pulls down; a
+    geometric draft's continuation is its pooled rate."""
+    copying = AcceptanceEstimator(alpha0=0.5, prior_weight=2.0)
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        copying.update(3, 3 if rng.random() < 0.3 else 0)
+    assert copying.continuation_rate > 0.85 > copying.alpha
+    profile = copying.profile(K_MAX)
+    assert len(profile) == K_MAX and profile[3:] == [copying.continuation_rate] * (K_MAX - 3)
+    geometric = AcceptanceEstimator(alpha0=0.5, prior_weight=4.0, window=10_000)
+    for _ in range(2000):
+        geometric.update(6, int(np.cumprod(rng.random(6) < 0.7).sum()))
+    assert geometric.continuation_rate == pytest.approx(geometric.alpha, abs=0.03)
+    assert AcceptanceEstimator().profile(K_MAX) == []  # nothing drafted: the pooled rate decides
+
+
+def test_a_copying_session_alone_leaves_the_depth_it_started_at() -> None:
+    """Alone, a session that drafted 3 at a time and got all or nothing goes deeper than 4."""
+    controller = DepthController(K_MAX, simulated_cost_model(), estimator=AcceptanceEstimator(alpha0=0.5, prior_weight=2.0))
+    for accepted in (3, 0, 3, 3, 0, 3):
+        controller.estimator.update(3, accepted)
+    assert controller.target() > 4
+
+
+def test_an_echo_probe_alone_drafts_deep() -> None:
+    """Alone, a probe called by echoes drafts at the depth that would pay at `probe_alpha`, more
+    than `probe_k`: the output is copying, and a deep block costs little more than a short one."""
+    controller = make_controller("auto", K_MAX, draft_model_cost_model(), shared_after_sessions([0.01] * 32))
+    history = []
+    for t in range(8):
+        k = controller.choose()
+        history.append(k)
+        controller.observe(k, 0, 0.0, simulated_verify_ms(k + 1, 1), 1, echo=t >= 2)
+    assert history[:4] == [0, 0, 0, 0]  # gated: the method's recent prompts did not pay
+    assert history[4] > controller.probe_k, history  # steps 2 and 3 echoed
+
+
+def test_a_new_session_starts_from_the_mean_session_not_the_mean_token() -> None:
+    """One prompt in four copies and drafts 8 tokens a step; three accept little and draft 2: the
+    pooled per-token rate leans toward the copier, a new session starts at the sessions' mean."""
+    shared = SharedAcceptance()
+    for alpha, k, steps in ((0.95, 8, 40), (0.2, 2, 10), (0.2, 2, 10), (0.2, 2, 10)):
+        for _ in range(steps):
+            shared.update(k, k if alpha > 0.5 else 0)
+        shared.report_session(alpha)
+    assert shared.seed == pytest.approx(0.3875)
+    assert shared.alpha > 0.8
+    assert make_controller("auto", K_MAX, CostModel(), shared).estimator.alpha0 == pytest.approx(0.3875)
+
+
+def test_a_cheap_first_probe_is_taken_whatever_the_method_did_lately() -> None:
+    """Alone with an n-gram draft a probe of 2 costs a few ms on a 62 ms step: an unproven session
+    takes it at its first step even after prompts that did not pay; where opening the draft
+    session (closed while a session is off) or drafting takes tens of ms, it waits."""
+    cm = CostModel()
+    for _ in range(16):
+        for n in (1, 3, 5, 9):
+            cm.observe_verify(1, n, 62.0 + 2.0 * (n - 1))
+    poor = shared_after_sessions([0.01] * 32)
+    ngram = make_controller("auto", K_MAX, cm, poor)
+    assert ngram._probe_extra_cost(None) <= CHEAP_PROBE
+    assert ngram.choose() == ngram.probe_k
+    reopening = CostModel()  # the same target, but opening the draft session takes 40 ms
+    reopening.seed_from_stats(cm.verify_table())
+    reopening.observe_open(40.0)
+    assert make_controller("auto", K_MAX, reopening, poor).choose() == 0
+    for _ in range(8):
+        cm.observe_draft(2, 30.0)
+    model = make_controller("auto", K_MAX, cm, poor)
+    assert model._probe_extra_cost(None) > CHEAP_PROBE
+    assert model.choose() == 0
