@@ -691,11 +691,14 @@ class SharedAcceptance:
             ranked = sorted(self._sessions)
         return ranked[min(math.ceil(0.9 * len(ranked)), len(ranked)) - 1]
 
+    def _clamp(self, alpha: float) -> float:
+        return min(max(alpha, self.lo), self.hi)
+
     @property
     def alpha(self) -> float:
         """The method's acceptance per drafted token over its recent steps."""
         with self._lock:
-            return min(max(self._estimator.alpha, self.lo), self.hi)
+            return self._clamp(self._estimator.alpha)
 
     @property
     def seed(self) -> float:
@@ -707,9 +710,10 @@ class SharedAcceptance:
         k = 12-13 and paid for 13-token blocks that kept one or two tokens. What a new prompt
         accepts is a draw from the prompts, not from the tokens."""
         with self._lock:
-            if len(self._sessions) < MIN_SESSIONS:
-                return min(max(self._estimator.alpha, self.lo), self.hi)
-            return min(max(sum(self._sessions) / len(self._sessions), self.lo), self.hi)
+            sessions = list(self._sessions)
+        if len(sessions) < MIN_SESSIONS:
+            return self.alpha
+        return self._clamp(sum(sessions) / len(sessions))
 
 
 class PassPeers:
@@ -1064,7 +1068,8 @@ class DepthController:
             return False
         if self._early_probes_pay(load) or (unproven and self._probe_extra_cost(load) <= CHEAP_PROBE):
             return True
-        return self._idle_steps >= self._gated_interval(load)
+        # the gated interval is at least `probe_interval`: below it, no cost lookups on this step
+        return self._idle_steps >= self.probe_interval and self._idle_steps >= self._gated_interval(load)
 
     def _probe_extra_cost(self, load: LoadSignal | None) -> float:
         """What a probe step costs over a plain one, as a share of the plain one: alone with an
