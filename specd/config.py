@@ -101,6 +101,8 @@ class TargetConfig(ServiceConfig):
     straggler_wait_ms: float = _opt(40.0, "longest a forward pass waits for sessions that just got a result and are "
                                           "on their way back with the next block (at most half a pass; 0: off)", minimum=0)
     session_ttl_s: float = _opt(600.0, "idle seconds after which a session is closed", minimum=0)
+    packed_passes: bool = _opt(True, "run a verify pass whose rows bring blocks of different lengths on their real "
+                                     "tokens only, not padded to the longest block")
     kv_budget_mb: float | None = _opt(None, "KV cache memory budget in MiB; caps max_sessions at budget / "
                                       "(KV bytes per token x max context) (unset: max_sessions alone)", minimum=0)
 

@@ -59,7 +59,7 @@ def start_target(cfg: TargetConfig, telemetry: Telemetry | None = None) -> Serve
     telemetry = _telemetry("target", cfg, model.name, telemetry)
     servicer = TargetServicer(model, cfg.max_sessions, cfg.max_batch_size, cfg.batch_wait_ms, cfg.session_ttl_s,
                               telemetry=telemetry, kv_budget_mb=cfg.kv_budget_mb,
-                              straggler_wait_ms=cfg.straggler_wait_ms)
+                              straggler_wait_ms=cfg.straggler_wait_ms, packed_passes=cfg.packed_passes)
     print(f"specd target session limit: {servicer.session_limit.describe()}", file=sys.stderr, flush=True)
     handle = build_server(cfg, register(servicer), [SERVICE_NAME])
     handle.add_drain_hook(servicer.drain)

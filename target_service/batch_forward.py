@@ -15,6 +15,7 @@ import torch
 
 from specd.models import LoadedModel
 from target_service.kv_pool import BatchCacheView, KVPool, KVShape
+from target_service.packed_attention import Packing, install
 
 
 # CPU matrix kernels run a linear layer on 2 to 4 token rows slower than on 5 to 8 (torch 2.13,
@@ -74,10 +75,23 @@ def inverse_permutation(order: list[int]) -> list[int]:
     return back
 
 
+def should_pack(lengths: list[int], cpu: bool, min_rows: int = MIN_FAST_ROWS) -> bool:
+    """Whether a verify pass over rows of these block lengths runs packed: when the rows differ
+    (equal rows pad nothing) and, on a CPU, when the real tokens make a fast kernel shape."""
+    return len(lengths) > 1 and max(lengths) > 1 and (not cpu or sum(lengths) >= min_rows)
+
+
 class BatchedForward:
-    def __init__(self, model: LoadedModel):
+    """Forward passes over KV-pool rows: padded to the longest row, or packed
+    (target_service/packed_attention.py) when the rows bring blocks of different lengths and
+    `packed` is on."""
+
+    def __init__(self, model: LoadedModel, packed: bool = True):
         self.model = model
         self.pool = KVPool(KVShape.of(model.model.config), model.dtype, model.device)
+        self.wrapped = install(model.model)  # the attention takes packing= and causal_prefill=
+        self.packed = packed and self.wrapped
+        self.last_positions = 0  # positions the last pass computed, all rows together
 
     def run(self, rows: list[RowInput], keep_last: int = 0) -> list[torch.Tensor]:
         """Logits [len(row.tokens), vocab] (or only the last keep_last) per row, in float32."""
@@ -94,9 +108,14 @@ class BatchedForward:
             back = inverse_permutation(order)
             return [logits[i] for i in back], None if feats is None else [feats[i] for i in back]
         device = self.model.device
-        n_new = max(len(r.tokens) for r in rows)
+        lengths = [len(r.tokens) for r in rows]
+        if self.packed and not keep_last and should_pack(lengths, device.type == "cpu"):
+            self.last_positions = sum(lengths)
+            return self._run_packed(rows, features)
+        n_new = max(lengths)
         if device.type == "cpu" and not keep_last:  # a prefill keeps the last position: never padded
             n_new = fast_block_length(len(rows), n_new, self.model.max_context - max(r.start for r in rows))
+        self.last_positions = len(rows) * n_new
         kv_length = max(r.start for r in rows) + n_new
         self.pool.ensure_capacity(kv_length)
         input_ids = torch.zeros(len(rows), n_new, dtype=torch.long)
@@ -108,6 +127,8 @@ class BatchedForward:
         view = BatchCacheView(self.pool, [r.slot for r in rows], [r.start for r in rows], kv_length)
         inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                       cache=view, use_cache=True)
+        if self.wrapped and len(rows) == 1 and rows[0].start == 0 and n_new == len(rows[0].tokens) > 1:
+            inputs["causal_prefill"] = True  # a prompt from position 0: the mask is plain causal
         keep = keep_last if len(rows) == 1 else 0
         hidden = None
         with torch.inference_mode():
@@ -122,3 +143,29 @@ class BatchedForward:
             return [logits[0, : len(rows[0].tokens)]], feats
         return ([logits[b, : len(r.tokens)][-keep_last:] if keep_last else logits[b, : len(r.tokens)]
                  for b, r in enumerate(rows)], feats)
+
+    def _run_packed(self, rows: list[RowInput], features: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """`run_with_features` for rows in slot order, their new tokens as one sequence."""
+        device = self.model.device
+        lengths = [len(r.tokens) for r in rows]
+        packing = Packing.of(lengths, device)
+        kv_length = max(r.start + n for r, n in zip(rows, lengths))
+        self.pool.ensure_capacity(kv_length)
+        input_ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long)[None]
+        positions = torch.tensor([r.start + i for r in rows for i in range(len(r.tokens))], dtype=torch.long)[None]
+        starts = torch.tensor([r.start for r in rows], dtype=torch.long)
+        mask = attention_mask(starts, max(lengths), kv_length)
+        view = BatchCacheView(self.pool, [r.slot for r in rows], [r.start for r in rows], kv_length, lengths)
+        inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                      cache=view, use_cache=True, packing=packing)
+        hidden = None
+        with torch.inference_mode():
+            if features:
+                model = self.model.model
+                hidden = model.get_decoder()(**inputs).last_hidden_state[0]
+                logits = model.get_output_embeddings()(hidden).float()
+            else:
+                logits = self.model.model(**inputs).logits[0].float()
+        logit_rows = list(torch.split(logits, lengths))
+        feats = None if hidden is None else [h.float() for h in torch.split(hidden, lengths)]
+        return logit_rows, feats

@@ -109,24 +109,35 @@ class BatchCacheView:
 
     Row b belongs to pool slot slots[b] and writes its new keys/values at positions
     starts[b] .. starts[b] + n - 1; attention reads positions 0 .. kv_length - 1 of each row,
-    and the caller's mask hides what a row must not see.
+    and the caller's mask hides what a row must not see. With `lengths` the pass is packed
+    (target_service/packed_attention.py): the new keys/values arrive as one sequence, row b's
+    `lengths[b]` of them after the rows before it.
     """
 
-    def __init__(self, pool: KVPool, slots: list[int], starts: list[int], kv_length: int):
+    def __init__(self, pool: KVPool, slots: list[int], starts: list[int], kv_length: int,
+                 lengths: list[int] | None = None):
         self.pool = pool
         self.slots = slots
         self.starts = starts
         self.kv_length = kv_length
+        self.lengths = lengths
         lo = slots[0]
         self._range = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
         self._index = None if self._range is not None else torch.tensor(slots, device=pool.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        # key_states, value_states: [batch, kv_heads, n_new, head_dim]
-        n = key_states.shape[2]
+        # key_states, value_states: [batch, kv_heads, n_new, head_dim], packed: [1, kv_heads, T, head_dim]
         k_layer, v_layer = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        for b, (slot, start) in enumerate(zip(self.slots, self.starts)):
-            k_layer[slot, :, start:start + n] = key_states[b]
-            v_layer[slot, :, start:start + n] = value_states[b]
+        if self.lengths is None:
+            n = key_states.shape[2]
+            for b, (slot, start) in enumerate(zip(self.slots, self.starts)):
+                k_layer[slot, :, start:start + n] = key_states[b]
+                v_layer[slot, :, start:start + n] = value_states[b]
+        else:
+            offset = 0
+            for slot, start, n in zip(self.slots, self.starts, self.lengths):
+                k_layer[slot, :, start:start + n] = key_states[0, :, offset:offset + n]
+                v_layer[slot, :, start:start + n] = value_states[0, :, offset:offset + n]
+                offset += n
         rows = self._range if self._range is not None else self._index
         return k_layer[rows, :, : self.kv_length], v_layer[rows, :, : self.kv_length]

@@ -42,21 +42,25 @@ class StepTiming:
     compute_ms: float
     batch_size: int
     block_length: int = 1  # positions per row of the pass (the longest block in it)
+    positions: int = 1  # positions the pass computed, all rows together
+    packed: bool = False  # whether the replica packs rows of different block lengths
 
 
 class BatchStats:
-    """Batch sizes seen and verify latency by (batch size, block length)."""
+    """Batch sizes seen and verify latency by (batch size, block length, positions computed)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.batch_sizes: dict[int, int] = defaultdict(int)
-        self.latency: dict[tuple[int, int], tuple[int, float]] = {}  # -> (count, total ms)
+        self.latency: dict[tuple[int, int, int], tuple[int, float]] = {}  # -> (count, total ms)
 
-    def record(self, batch_size: int, block_length: int, ms: float) -> None:
+    def record(self, batch_size: int, block_length: int, ms: float, positions: int = 0) -> None:
+        """positions: what the pass computed, all rows together (0: batch_size x block_length)."""
+        key = (batch_size, block_length, positions or batch_size * block_length)
         with self.lock:
             self.batch_sizes[batch_size] += 1
-            count, total = self.latency.get((batch_size, block_length), (0, 0.0))
-            self.latency[(batch_size, block_length)] = (count + 1, total + ms)
+            count, total = self.latency.get(key, (0, 0.0))
+            self.latency[key] = (count + 1, total + ms)
 
     def mean_batch_size(self) -> float:
         with self.lock:
@@ -185,9 +189,13 @@ class VerifyScheduler:
         end = time.perf_counter()
         compute_ms = (end - start) * 1000
         block = 1
+        forward = getattr(self.target, "forward", None)
+        positions = getattr(forward, "last_positions", 0)
+        packed = bool(getattr(forward, "packed", False))
         if batch[0].proposal is not None:
             block = max(len(w.proposal.tokens) for w in batch) + 1  # type: ignore[union-attr]
-            self.stats.record(len(batch), block, compute_ms)
+            positions = positions or len(batch) * block
+            self.stats.record(len(batch), block, compute_ms, positions)
             seconds = end - start
             self._pass_s = seconds if self._pass_s is None else self._pass_s + PASS_EMA * (seconds - self._pass_s)
         with self._cv:
@@ -198,7 +206,8 @@ class VerifyScheduler:
         if self.telemetry.metrics_on:
             self._record(batch, start, compute_ms / 1000)
         for w, result in zip(batch, results):
-            w.future.set_result((result, StepTiming((start - w.enqueued) * 1000, compute_ms, len(batch), block)))
+            w.future.set_result((result, StepTiming((start - w.enqueued) * 1000, compute_ms, len(batch), block,
+                                                    positions, packed)))
 
     def _record(self, batch: list[_Work], start: float, seconds: float) -> None:
         m = self.telemetry.target

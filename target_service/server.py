@@ -31,14 +31,14 @@ SERVICE_NAME = "specdec.v1.TargetService"
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, model: LoadedModel, max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
                  session_ttl_s: float = 600.0, telemetry: Telemetry | None = None, kv_budget_mb: float | None = None,
-                 straggler_wait_ms: float = 40.0):
+                 straggler_wait_ms: float = 40.0, packed_passes: bool = True):
         self.model = model
         self.telemetry = telemetry or noop_telemetry()
         self.session_ttl_s = session_ttl_s
         self._streams: dict[int, tuple[grpc.ServicerContext, list[float]]] = {}  # session id -> (context, [last activity])
         if session_ttl_s > 0:
             threading.Thread(target=self._expire_idle, daemon=True, name="specd-session-ttl").start()
-        self.target = TargetModel(model)
+        self.target = TargetModel(model, packed_passes)
         self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms, self.telemetry,
                                          straggler_wait_ms=straggler_wait_ms)
         if self.telemetry.metrics_on:
@@ -93,8 +93,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with stats.lock:
             for size, count in sorted(stats.batch_sizes.items()):
                 msg.batch_sizes.add(batch_size=size, count=count)
-            for (size, block), (count, total) in sorted(stats.latency.items()):
-                msg.verify_latency.add(batch_size=size, block_length=block, count=count, mean_ms=total / count)
+            for (size, block, positions), (count, total) in sorted(stats.latency.items()):
+                msg.verify_latency.add(batch_size=size, block_length=block, positions=positions, count=count,
+                                       mean_ms=total / count)
         return msg
 
     @grpc_errors
@@ -137,7 +138,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         reply = target_pb2.TargetResponse(verified=target_pb2.BlockVerified(
                             num_accepted=outcome.num_accepted, token_ids=outcome.tokens, verify_ms=timing.compute_ms,
                             batch_size=timing.batch_size, queue_ms=timing.queue_ms, context_room=max(session.room, 0),
-                            pass_block_length=timing.block_length))
+                            pass_block_length=timing.block_length, pass_positions=timing.positions,
+                            packed=timing.packed))
                         if session.new_features is not None:
                             reply.verified.features.CopyFrom(features_to_proto(*session.new_features))
                         if span is not None:

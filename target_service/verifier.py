@@ -107,9 +107,10 @@ class TargetModel:
     Forward passes are serialized by a lock: the model runs one (possibly batched) pass at a time.
     """
 
-    def __init__(self, model: LoadedModel):
+    def __init__(self, model: LoadedModel, packed_passes: bool = True):
+        """packed_passes: see BatchedForward (target_service/batch_forward.py)."""
         self.model = model
-        self.forward = BatchedForward(model)
+        self.forward = BatchedForward(model, packed=packed_passes)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._model_lock = threading.Lock()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from target_service.batch_forward import fast_block_length
+from target_service.batch_forward import fast_block_length, should_pack
 
 
 @pytest.mark.parametrize("batch,n_new,expected", [
@@ -21,3 +21,15 @@ def test_padding_reaches_the_fast_row_count(batch, n_new, expected):
 def test_no_padding_past_the_context():
     assert fast_block_length(1, 3, room=4) == 3
     assert fast_block_length(1, 3, room=5) == 5
+
+
+@pytest.mark.parametrize("lengths,cpu,expected", [
+    ([1, 1, 1, 1, 1, 1], True, False),  # plain decoding: nothing to pack
+    ([3, 1, 1, 1, 1, 1], True, True),  # one block among decode rows
+    ([3, 3, 3], True, True),  # equal blocks: packed attention reads the keys in place
+    ([9], True, False),  # one row
+    ([2, 1], True, False),  # 3 tokens on a CPU: padded to the fast row count instead
+    ([2, 1], False, True),
+])
+def test_which_passes_are_packed(lengths, cpu, expected):
+    assert should_pack(lengths, cpu) is expected

@@ -1,0 +1,94 @@
+"""What a verify pass costs padded and packed, for batches whose rows bring blocks of different lengths.
+
+    python scripts/bench_packed_passes.py [--batch 16] [--cached 300] [--reps 2] [--prefill 200,600]
+
+Times one pass of the bundled target over `--batch` sessions with `--cached` tokens each, for
+several mixes of block lengths (plain decoding, one session verifying a block of 3 or 9 among
+decode rows, a quarter or half of the batch speculating, every row at 3), two ways, interleaved,
+median of 7 passes each: padded to the longest block (`BatchedForward(packed=False)`) and packed
+(target_service/packed_attention.py). Before timing, it checks that both give every row the same
+greedy tokens. Then a prefill of `--prefill` tokens from position 0, with the fused causal
+attention (`causal_attention`) and through the model's own attention with the explicit mask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import timeit
+
+import torch
+
+from specd.models import load_model
+from target_service.batch_forward import BatchedForward, RowInput
+
+
+def mixes(batch: int) -> dict[str, list[int]]:
+    quarter, half = max(batch // 4, 1), max(batch // 2, 1)
+    return {
+        "plain": [1] * batch,
+        "one row at 3": [3] + [1] * (batch - 1),
+        "one row at 9": [9] + [1] * (batch - 1),
+        "a quarter at 3": [3] * quarter + [1] * (batch - quarter),
+        "half at 5": [5] * half + [1] * (batch - half),
+        "every row at 3": [3] * batch,
+    }
+
+
+def rows_for(blocks: list[int], cached: int) -> list[RowInput]:
+    return [RowInput(slot, cached, [5 + i for i in range(n)]) for slot, n in enumerate(blocks)]
+
+
+def pass_ms(forward: BatchedForward, rows: list[RowInput], passes: int = 7) -> float:
+    forward.run(rows)  # warm
+    return statistics.median(timeit.repeat(lambda: forward.run(rows), number=1, repeat=passes)) * 1000
+
+
+def prefill_ms(forward: BatchedForward, tokens: int, causal: bool, passes: int = 5) -> float:
+    forward.wrapped = causal  # without the wrapper's causal path: the model's own attention and the mask
+    slot = forward.pool.allocate()
+    ids = [(7 * i) % 1000 + 5 for i in range(tokens)]
+    row = [RowInput(slot, 0, ids)]
+    forward.run(row, keep_last=1)
+    ms = statistics.median(timeit.repeat(lambda: forward.run(row, keep_last=1), number=1, repeat=passes)) * 1000
+    forward.pool.release(slot)
+    forward.wrapped = True
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--cached", type=int, default=300, help="cached tokens per row")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--prefill", default="200,600", help="comma list of prompt lengths for the prefill timing")
+    args = parser.parse_args()
+    model = load_model()
+    packed = BatchedForward(model, packed=True)
+    padded = BatchedForward(model, packed=False)
+    padded.pool = packed.pool  # one pool: both read the same cached rows
+    packed.pool.ensure_capacity(args.cached + 16)
+    for _ in range(args.batch):
+        packed.pool.allocate()
+    for name, blocks in mixes(args.batch).items():
+        a, b = packed.run(rows_for(blocks, args.cached)), padded.run(rows_for(blocks, args.cached))
+        if not all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b)):
+            raise SystemExit(f"{name}: packed and padded passes disagree on a greedy token")
+    print(f"batch {args.batch}, {args.cached} cached tokens per row, median of 7 passes (ms)")
+    for rep in range(args.reps):
+        for name, blocks in mixes(args.batch).items():
+            rows = rows_for(blocks, args.cached)
+            print(f"rep {rep + 1} {name:<15} ({sum(blocks):>3} positions): padded {pass_ms(padded, rows):6.1f} | "
+                  f"packed {pass_ms(packed, rows):6.1f}", flush=True)
+    lengths = [int(n) for n in args.prefill.split(",") if n]
+    if lengths:
+        packed.pool.ensure_capacity(max(lengths) + 16)
+        print("prefill from position 0, median of 5 passes (ms)")
+    for rep in range(args.reps):
+        for n in lengths:
+            print(f"rep {rep + 1} prefill {n:>4} tokens: masked {prefill_ms(packed, n, False):6.1f} | "
+                  f"causal {prefill_ms(packed, n, True):6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Packed verify passes: the new tokens of every row laid end to end, so that a batch whose rows
+bring blocks of different lengths computes only the tokens it has.
+
+A padded pass runs every row at the longest row's block length: one session verifying a block of
+9 while fifteen decode makes a pass of 16 x 9 positions for 24 real ones, and on a CPU target,
+where a pass at batch 16 is compute-bound, the projections and the MLP cost in proportion to the
+positions. In a packed pass the input is one sequence of the T real tokens (batch 1, each with its
+own position id), so every token-wise layer (projections, MLP, norms, LM head) runs on T rows.
+Attention is the one operation that needs the rows apart (`packed_attention`): each row's first
+token attends in one call over every row, as in a plain pass, and the rest of a longer block
+per row, over that row's KV-pool entries.
+
+The model keeps one attention implementation: `install` wraps the one it had; a call without a
+`Packing` goes straight through to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+PREFIX = "specd_packed_"
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each row's tokens sit in the packed sequence: row b's are offsets[b] ..
+    offsets[b] + lengths[b] - 1."""
+
+    lengths: tuple[int, ...]
+    offsets: tuple[int, ...]
+    firsts: torch.Tensor  # [rows] long: each row's first token in the packed sequence
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device) -> "Packing":
+        offsets = [0]
+        for n in lengths[:-1]:
+            offsets.append(offsets[-1] + n)
+        return cls(tuple(lengths), tuple(offsets), torch.tensor(offsets, dtype=torch.long, device=device))
+
+
+def grouped_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                            scaling: float) -> torch.Tensor:
+    """Attention of query [rows, heads, n, d] over key/value [rows, kv_heads, L, d] with a boolean
+    mask [rows, 1, n, L]; returns [rows, n, heads, d].
+
+    With grouped-query attention (heads = groups x kv_heads) the query heads of one key/value head
+    are folded into the query length, so the keys and values are read in place. transformers
+    repeats them per query head whenever a mask is given and more than one query token per row
+    comes in: at batch 16 over 300 cached tokens that copy doubled the cost of a pass with one
+    3-token block."""
+    rows, heads, n, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    q = query.reshape(rows, kv_heads, groups * n, dim)  # head h = g * groups + r -> [g, r * n + i]
+    # one query per row: its mask row serves every folded head as it is (a broadcast, no copy)
+    m = mask if n == 1 else mask.expand(rows, groups, n, mask.shape[-1]).reshape(rows, 1, groups * n, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scaling)
+    return out.reshape(rows, heads, n, dim).transpose(1, 2)
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     packing: Packing, scaling: float) -> torch.Tensor:
+    """Attention of a packed pass: query [1, heads, T, d]; key/value [rows, kv_heads, L, d] (each
+    row's pool entries); mask [rows, 1, n_max, L] (row b's query i sees keys 0 .. start_b + i).
+    Returns [1, T, heads, d].
+
+    Every row's first token runs in one call over all rows, as in a plain decoding pass; the rest
+    of a longer block runs per row, over that row's keys alone. Padding every row to the longest
+    block instead tripled the attention work of a batch-16 pass with one 3-token block (attention
+    cost goes with the query rows), a third of the pass on a CPU."""
+    if len(set(packing.lengths)) == 1:  # equal blocks: the packed sequence is the padded grid
+        rows, n = len(packing.lengths), packing.lengths[0]
+        grid = query[0].view(query.shape[1], rows, n, query.shape[3]).transpose(0, 1)
+        return grouped_query_attention(grid, key, value, mask, scaling).reshape(1, rows * n, query.shape[1], -1)
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
+    firsts = query[0, :, packing.firsts].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, d]
+    out[packing.firsts] = grouped_query_attention(firsts, key, value, mask[:, :, :1], scaling)[:, 0]
+    for b, (offset, n) in enumerate(zip(packing.offsets, packing.lengths)):
+        if n > 1:
+            rest = query[:, :, offset + 1: offset + n]
+            out[offset + 1: offset + n] = grouped_query_attention(
+                rest, key[b:b + 1], value[b:b + 1], mask[b:b + 1, :, 1:n], scaling)[0]
+    return out.unsqueeze(0)
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of a prompt over itself from position 0 (query and keys the same positions):
+    [rows, heads, n, d] over [rows, kv_heads, n, d] -> [rows, n, heads, d].
+
+    Causal without a mask, grouped-query heads read in place. With the explicit mask every pass
+    brings, transformers repeats K and V per query head and the kernel reads the mask: a prefill
+    of the bundled target took about 5 % longer (200 and 600 tokens,
+    scripts/bench_packed_passes.py)."""
+    groups = query.shape[1] // key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                           enable_gqa=groups > 1)
+    return out.transpose(1, 2)
+
+
+def packed_attention_function(inner: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """An attention function that runs `packed_attention` when the call carries a `packing`
+    keyword, `causal_attention` when it says `causal_prefill`, and is `inner` (the model's own)
+    otherwise."""
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, packing: Packing | None = None, causal_prefill: bool = False,
+                  **kwargs: Any):
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        if causal_prefill:
+            assert key.shape[2] == query.shape[2], "a causal prefill starts at position 0"
+            return causal_attention(query, key, value, scaling), None
+        if packing is None:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        assert attention_mask is not None, "a packed pass brings its per-row mask"
+        return packed_attention(query, key, value, attention_mask, packing, scaling), None
+
+    return attention
+
+def install(model: Any) -> bool:
+    """Wrap the model's attention implementation so that its forward accepts `packing=` and
+    `causal_prefill=`; False (and nothing changed) when the model's attention is not one this can
+    wrap."""
+    config = model.config
+    current = config._attn_implementation or "eager"
+    if current.startswith(PREFIX):
+        return True
+    if current not in ALL_ATTENTION_FUNCTIONS and current != "eager":
+        return False
+    name = PREFIX + current
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        # eager is the same math as sdpa, which every model class that has an interface runs
+        inner = ALL_ATTENTION_FUNCTIONS["sdpa" if current == "eager" else current]
+        AttentionInterface.register(name, packed_attention_function(inner))
+        mask_kind = current if current in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_kind])
+    config._attn_implementation = name
+    return True
