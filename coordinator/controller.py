@@ -14,12 +14,14 @@ better spent not drafting (draft compute, wire traffic, KV rollback).
 The pieces, each small and testable alone:
 
 - pure functions: `expected_tokens`, `depth_rates`, `pass_rates` (with each session's fill, the
-  share of the asked tokens its proposer drafts), `pass_sessions`, `best_depth`, `load_penalty`;
+  share of the asked tokens its proposer drafts), `packed_rates` (a session in a packed pass,
+  where its block costs only its own positions), `pass_sessions`, `best_depth`, `load_penalty`;
 - `AcceptanceEstimator`: per-session acceptance, a moving average per draft position;
 - `CostModel`: per-replica draft and verify costs measured online (one per target replica, shared
   by its sessions);
-- `PassPeers`: the acceptance of every session on a replica, because a batched pass is as long as
+- `PassPeers`: the acceptance of every session on a replica, because a padded pass is as long as
   its longest block, so the depth worth choosing is the pass's, not one session's (`pass_rates`);
+  in a packed pass, who else drafts and who would (`DepthController._jump_share`);
 - `DepthController`: one per session; modes (auto, fixed, schedule), an acceptance floor,
   hysteresis, and re-probing of disabled sessions; `make_controller` parses the CLI forms.
 """
@@ -46,6 +48,7 @@ __all__ = [
     "load_penalty",
     "make_controller",
     "pass_alphas",
+    "packed_rates",
     "pass_rates",
     "pass_sessions",
     "probe_period",
@@ -157,6 +160,46 @@ def pass_rates(alphas: Sequence[float], draft_cost_ms: Costs, verify_cost_ms: Co
     return rates
 
 
+def packed_rates(alpha: float, draft_cost_ms: Costs, plain_ms: float, position_ms: float, batch_size: int,
+                 k_max: int, fill: float = 1.0, profile: Sequence[float] | None = None,
+                 draft_rows: int = 1, jump_ms: float = 0.0) -> list[float]:
+    """Expected tokens per millisecond of one session in a packed pass of `batch_size` rows, for
+    every k in 0..k_max, with the cost of its draft work counted as the whole pass pays it.
+
+    A packed pass (target_service/packed_attention.py) computes each row's own block, so a
+    session's k draft tokens add f k positions to the pass (f: its fill), `position_ms` each, and
+    lengthen it for every row. The pass's rows emit about `batch_size` tokens in `plain_ms`, so
+    c ms of extra pass time costs every row c ms: this session's step is priced at
+    plain_ms + batch_size * c. Then E(k) / that cost peaks at the k that maximizes the pass's
+    throughput to first order, and beats plain decoding exactly when f (E(k) - 1) >
+    batch_size * c / plain_ms: the session's extra tokens outweigh what its positions cost all.
+
+    `jump_ms`: what a pass costs beyond its positions as soon as any row brings a block
+    (`CostModel.packed_jump_ms`: on a CPU, 16 rows run faster than 18 and the longer blocks'
+    attention is extra calls); the caller passes 0 when a peer drafts anyway. Charged to every
+    row, when this session drafts (its fill). `draft_rows`: the rows that wait for this
+    session's draft call (default 1, the session itself: the call runs while the coordinator
+    steps the pass's other sessions, one after another, and the pass waits for it only when it
+    comes back last; charged to all 16 rows of a batch, a 7 ms n-gram call outweighed what a
+    summary's accepted tokens gained). `profile` as in `pass_rates`. At batch size 1 this is
+    `depth_rates` with a verify line of slope `position_ms` (and the jump).
+    """
+    draft = _cost_list(draft_cost_ms, k_max)
+    b = max(int(batch_size), 1)
+    f = min(max(float(fill), 0.0), 1.0)
+    a = min(max(float(alpha), 0.0), 1.0)
+    own = [min(max(float(r), 0.0), 1.0) for r in profile] if profile else []
+    power, gain, rates = 1.0, 0.0, []
+    for k in range(k_max + 1):
+        cost = plain_ms
+        if k > 0:
+            power *= own[k - 1] if k <= len(own) else a
+            gain += f * power
+            cost += b * f * (position_ms * k + jump_ms) + max(int(draft_rows), 1) * draft[k]
+        rates.append((1.0 + gain) / cost if cost > 0 else math.inf)
+    return rates
+
+
 def best_depth(
     alpha: float, draft_cost_ms: Costs, verify_cost_ms: Costs, k_max: int, margin: float = 0.05
 ) -> tuple[int, float]:
@@ -236,10 +279,16 @@ def load_penalty(load: LoadSignal | None) -> float:
        So the marginal cost of an extra position is d * (1 + q / b). That is the penalty: zero
        with an empty queue, and growing with the backlog exactly when the target is saturated
        and rejected draft tokens spend compute that other requests are waiting for.
+
+       Up to b - 1 of the queued requests are the pass's other rows, whose verifies wait for the
+       next pass with this session's (a poll during a prefill finds every session of the batch
+       queued): they are in b already, so only the queue beyond them counts. Counting them had
+       doubled the price of a draft position at 16 sessions whenever prompts were long.
     """
-    if load is None or load.queue_depth <= 0:
+    if load is None:
         return 1.0
-    return 1.0 + load.queue_depth / load.batch_size
+    outside = load.queue_depth - (load.batch_size - 1)
+    return 1.0 + outside / load.batch_size if outside > 0 else 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,8 +435,12 @@ class CostModel:
     """Draft and verify costs of one replica pair, measured online.
 
     verify_ms(n, b): a line in the block length n per batch size b, fitted by weighted least
-    squares to the moving means of the (b, n) cells observed. With one cell at b, the prior's
-    slope is scaled to the cell's level. Batch sizes never observed take their line from the
+    squares to the moving means of the cells observed at b. A cell is a pass's extra positions
+    beyond one per row (b x (n - 1) for a pass padded to n; the rows' draft tokens summed for a
+    packed one, `packed`), at n = 1 + extra / b on the line, so padded and packed passes feed
+    one line: its slope / b is what one more position costs (`position_ms`), and its value at no
+    extra position over the plain pass what packing costs at all (`packed_jump_ms`). With one
+    cell at b, the prior's slope is scaled to the cell's level. Batch sizes never observed take their line from the
     observed ones: interpolated between the two around b, and outside them from the nearest
     one, scaled by how the prior grows between the two batch sizes (shape from the prior, level
     from the data). With no observations at all, the prior:
@@ -420,7 +473,8 @@ class CostModel:
         self.prior_draft_per_token_ms = draft_per_token_ms
         self.window = window
         self.prior_points = prior_points
-        self._verify: dict[int, dict[int, _Mean]] = {}
+        self._verify: dict[int, dict[int, _Mean]] = {}  # batch size -> extra positions -> pass ms
+        self.packed = False  # the replica packs passes: a row's block costs only its own positions
         self._draft: dict[int, _Mean] = {}
         self._overhead = _Mean()  # ms per verify step outside the pass, when the replica reports its pass time
         self._open = _Mean()  # ms to open a draft session (a probe from k = 0 opens one)
@@ -430,12 +484,18 @@ class CostModel:
 
     # observations
 
-    def observe_verify(self, batch_size: int, block_length: int, ms: float) -> None:
-        """One verify pass of `batch_size` rows padded to `block_length` positions took `ms`."""
-        if batch_size < 1 or block_length < 1 or not ms >= 0:
+    def observe_verify(self, batch_size: int, block_length: int, ms: float, positions: int = 0,
+                       packed: bool | None = None) -> None:
+        """One verify pass of `batch_size` rows took `ms`: padded to `block_length` positions, or
+        (`positions` > 0) computing that many positions, all rows together. `packed`: what the
+        replica said about its passes (None: nothing)."""
+        extra = (positions if positions > 0 else batch_size * block_length) - batch_size
+        if batch_size < 1 or block_length < 1 or extra < 0 or not ms >= 0:
             return  # a malformed report should not poison the model
         with self._lock:
-            cell = self._verify.setdefault(batch_size, {}).setdefault(block_length, _Mean())
+            if packed is not None:
+                self.packed = packed
+            cell = self._verify.setdefault(batch_size, {}).setdefault(extra, _Mean())
             cell.add(_clip(ms, cell), self.window)
             self._lines.clear()
 
@@ -465,26 +525,35 @@ class CostModel:
         with self._lock:
             return self._open.mean
 
-    def verify_table(self) -> list[tuple[int, int, int, float]]:
-        """The observed verify cells as (batch_size, block_length, count, mean_ms) rows."""
+    def verify_table(self) -> list[tuple[int, int, int, float, int]]:
+        """The observed verify cells as (batch_size, block_length, count, mean_ms, positions) rows;
+        block_length is the positions per row rounded up."""
         with self._lock:
-            return [(b, n, int(c.count), c.mean) for b, cells in self._verify.items() for n, c in cells.items()]
+            return [(b, 1 + -(-e // b), int(c.count), c.mean, b + e) for b, cells in self._verify.items()
+                    for e, c in cells.items()]
 
     def seed_from_stats(self, rows: Iterable[Any]) -> None:
         """Seed from a target's GetStats verify_latency table.
 
-        Rows are (batch_size, block_length, count, mean_ms) tuples or VerifyLatency messages. A
-        seeded cell counts as `count` samples (capped at the window), so fresh observations blend in.
+        Rows are (batch_size, block_length, count, mean_ms[, positions]) tuples or VerifyLatency
+        messages (positions 0 or missing: the pass was padded, batch_size x block_length). Cells
+        that land on the same extra positions merge. A seeded cell counts as `count` samples
+        (capped at the window), so fresh observations blend in.
         """
         for row in rows:
             if isinstance(row, (tuple, list)):
-                b, n, count, mean = row
+                b, n, count, mean = row[:4]
+                positions = row[4] if len(row) > 4 else 0
             else:
                 b, n, count, mean = row.batch_size, row.block_length, row.count, row.mean_ms
-            if int(b) >= 1 and int(n) >= 1 and int(count) > 0 and float(mean) >= 0:
-                cell = _Mean(float(mean), float(min(int(count), self.window)))
+                positions = getattr(row, "positions", 0)
+            b, n, count = int(b), int(n), int(count)
+            extra = (int(positions) if positions else b * n) - b
+            if b >= 1 and n >= 1 and extra >= 0 and count > 0 and float(mean) >= 0:
                 with self._lock:
-                    self._verify.setdefault(int(b), {})[int(n)] = cell
+                    cell = self._verify.setdefault(b, {}).setdefault(extra, _Mean())
+                    cell.mean = (cell.mean * cell.count + float(mean) * count) / (cell.count + count)
+                    cell.count = min(cell.count + count, self.window)
                     self._lines.clear()
 
     # estimates
@@ -499,16 +568,16 @@ class CostModel:
         cores with something else) cannot tilt the line wildly, many samples outweigh the prior.
         One cell alone gives the prior's shape through it.
 
-        The line is fitted to the blocks of two or more positions when any were seen: a one-token
+        The line is fitted to the passes with draft positions when any were seen: a one-token
         pass takes the model's decode path, and on this project's CPU machines a block of 2 cost
         about 25 ms more than one of 1 at batch 1 while 9 cost little more than 2 (65, ~90, ~100
         ms), so a line through 1 and 3 predicted 9 at twice its cost. `verify_ms(1, b)` reads the
         one-token cell itself."""
         cells = self._verify[b]
-        if any(n >= 2 for n in cells):
-            cells = {n: c for n, c in cells.items() if n >= 2}
+        if any(e > 0 for e in cells):
+            cells = {e: c for e, c in cells.items() if e > 0}
         c0, m0 = self._prior_line(b)
-        points = [(float(n), c.mean, c.weight(self.window)) for n, c in cells.items()]
+        points = [(1.0 + e / b, c.mean, c.weight(self.window)) for e, c in cells.items()]
         total = sum(w for _, _, w in points)
         scale = sum(w * y / (c0 + m0 * (n - 1)) for n, y, w in points) / total if c0 > 0 else 1.0
         prior_slope = self._borrowed_slope(b)
@@ -526,7 +595,7 @@ class CostModel:
         the prior's slope ratio (the rows). Better than the prior's own slope, whose ratio to the
         pass cost is a guess about the hardware: on this project's CPU machines it overstated the
         cost of long blocks at batch 16 by 2-3x, which kept speculation off where it paid."""
-        settled = {s: [(float(n), c.mean, c.weight(self.window)) for n, c in cells.items() if c.count >= SETTLED]
+        settled = {s: [(1.0 + e / s, c.mean, c.weight(self.window)) for e, c in cells.items() if c.count >= SETTLED]
                    for s, cells in self._verify.items() if s != b}
         measured = [(abs(s - b), s) for s, points in settled.items() if len(points) >= 2]
         if not measured:
@@ -567,11 +636,31 @@ class CostModel:
         b, n = max(int(batch_size), 1), max(block_length, 1)
         with self._lock:
             overhead = self._overhead.mean
-            single = self._verify.get(b, {}).get(1) if n == 1 else None
+            single = self._verify.get(b, {}).get(0) if n == 1 else None
             if single is not None:
                 return max(single.mean + overhead, 1e-3)
             intercept, slope = self._line(b)
         return max(intercept + overhead + slope * (n - 1), 1e-3)
+
+    def position_ms(self, batch_size: int = 1) -> float:
+        """Estimated cost of one more position in a verify pass of `batch_size` rows (a packed
+        pass's extra draft token; a padded pass pays it once per row)."""
+        b = max(int(batch_size), 1)
+        with self._lock:
+            _, slope = self._line(b)
+        return slope / b
+
+    def packed_jump_ms(self, batch_size: int = 1) -> float:
+        """What a pass of `batch_size` rows costs beyond its positions once any row brings a
+        block: the line through the passes with draft positions, at none, over the plain pass
+        (0 until both were seen at this batch size)."""
+        b = max(int(batch_size), 1)
+        with self._lock:
+            cells = self._verify.get(b, {})
+            if 0 not in cells or not any(e > 0 for e in cells):
+                return 0.0
+            intercept, _ = self._line(b)
+            return max(intercept - cells[0].mean, 0.0)
 
     def draft_ms(self, k: int) -> float:
         """Estimated time for the draft to propose k tokens (0 for k = 0)."""
@@ -951,6 +1040,8 @@ class DepthController:
         unproven peers count at least at it. Without it (the session's own estimate, not a what-if
         rate) this session's positions count at their own rates (`pass_rates`'s profile)."""
         b = self._batch(load)
+        if self._packed(b):
+            return self._packed_rates(alpha, load, b, optimistic), b
         if self.peers is not None:
             own = (alpha, self.fill.mean)
             alphas, fills = pass_sessions(own, self.peers.others_with_fills(self._peer, optimistic), b)
@@ -966,6 +1057,36 @@ class DepthController:
         # acceptance 0.9 it turned a 2-3 token block off in 9 of 30 simulated sessions, not 1.
         profile = self.estimator.profile(self.k_max) if optimistic is None and b == 1 else None
         return pass_rates(alphas, cm.draft_ms, verify, self.k_max, fills, profile), b
+
+    def _packed(self, batch_size: int) -> bool:
+        """Whether this session's next pass is a packed one with other rows: its block then costs
+        its own positions only, and it chooses its depth for itself (`packed_rates`)."""
+        return batch_size > 1 and self.cost_model.packed
+
+    def _packed_rates(self, alpha: float, load: LoadSignal | None, b: int, optimistic: float | None) -> list[float]:
+        """`packed_rates` for this session: its own per-position rates unless this is a what-if
+        (`optimistic`)."""
+        cm = self.cost_model
+        profile = self.estimator.profile(self.k_max) if optimistic is None else None
+        penalty = load_penalty(load)
+        plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
+        return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max, self.fill.mean, profile,
+                            jump_ms=self._jump_share(b, plain, position) * penalty)
+
+    def _jump_share(self, b: int, plain_ms: float, position_ms: float) -> float:
+        """This session's share of `CostModel.packed_jump_ms`: none when a peer drafts (the pass
+        is packed anyway); else the jump split over the sessions whose first draft position pays
+        on its own, acceptance x fill x plain_ms / b > position_ms, this one included. The pass
+        pays the jump once for all of them: charged whole to each, no session of a batch would
+        start however many would gain."""
+        jump = self.cost_model.packed_jump_ms(b)
+        if jump <= 0 or self.peers is None:
+            return jump
+        if self.peers.deepest(self._peer) > 0:
+            return 0.0
+        pays = position_ms * b / plain_ms if plain_ms > 0 else 1.0
+        sharing = 1 + sum(1 for a, fill in self.peers.others_with_fills(self._peer) if a * fill > pays)
+        return jump / sharing
 
     def _policy(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> int:
         """The mode's choice for acceptance `alpha`, ignoring the floor."""
@@ -1039,8 +1160,14 @@ class DepthController:
         step, where fixed k = 16 had its 17 a step earlier). In a batch the probe lengthens every
         row's pass: where a peer already speculates the pass is long anyway and the probe drafts
         within it (up to that depth); otherwise it waits for the replica's next probe pass
-        (`PassPeers.probe_slot`), where the sessions that want to probe do so together."""
+        (`PassPeers.probe_slot`), where the sessions that want to probe do so together. In a
+        packed pass a probe lengthens the pass by its own positions only: `probe_k` at once, as
+        deep as that, since each position costs every row (at batch 16, 3-5 ms a position against
+        a 170 ms pass: a failed 16-token probe is a third of a pass), and a probe that is
+        accepted lets the policy go deeper."""
         b = self._batch(load)
+        if self._packed(b):  # a failed deep probe costs every row its positions: probe_k, then the policy
+            return self.probe_k
         if self.peers is None or b <= 1:
             return max(self.probe_k, echoed)
         deepest = self.peers.deepest(self._peer)
@@ -1094,6 +1221,11 @@ class DepthController:
         b = self._batch(load)
         cm = self.cost_model
         plain_ms = cm.verify_ms(1, b)
+        if self._packed(b):  # as `packed_rates` prices it: every row pays for the probe's positions
+            position = cm.position_ms(b)
+            jump = self._jump_share(b, plain_ms, position)
+            return plain_ms, (plain_ms + b * (position * self.probe_k + jump) + cm.draft_ms(self.probe_k)
+                              + cm.open_ms())
         return plain_ms, cm.verify_ms(self.probe_k + 1, b) + cm.draft_ms(self.probe_k) + cm.open_ms()
 
     def _early_probes_pay(self, load: LoadSignal | None) -> bool:
@@ -1116,7 +1248,8 @@ class DepthController:
 
     def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int,
                 pass_block_length: int = 0, compute_ms: float | None = None, requested: int | None = None,
-                echo: bool = False, open_ms: float = 0.0) -> None:
+                echo: bool = False, open_ms: float = 0.0, pass_positions: int = 0,
+                packed: bool | None = None) -> None:
         """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size,
         and the positions per row of its pass (the longest block in the batch, which is what the
         pass cost; 0 when the target did not say, then this block's k + 1).
@@ -1136,6 +1269,9 @@ class DepthController:
 
         `open_ms`: the part of the draft call spent opening the draft session (not in `draft_ms`;
         what a probe from k = 0 costs on top, `_probe_step_ms`).
+
+        `pass_positions`: the positions the pass computed, all rows together (0: not reported;
+        then it was padded to its longest block); `packed`: whether the replica packs its passes.
 
         `echo` (a step that drafted nothing): whether the token it produced was the one that
         followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
@@ -1161,9 +1297,9 @@ class DepthController:
             self.cost_model.observe_open(open_ms)
         block = max(pass_block_length, k + 1)
         if compute_ms is None:
-            self.cost_model.observe_verify(batch_size, block, verify_ms)
+            self.cost_model.observe_verify(batch_size, block, verify_ms, pass_positions, packed)
         else:
-            self.cost_model.observe_verify(batch_size, block, compute_ms)
+            self.cost_model.observe_verify(batch_size, block, compute_ms, pass_positions, packed)
             self.cost_model.observe_overhead(max(verify_ms - compute_ms, 0.0))
         self.batch_size = max(int(batch_size), 1)
 

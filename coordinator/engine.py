@@ -264,7 +264,9 @@ class SpeculativeEngine:
                                            getattr(outcome, "batch_size", 1),
                                            pass_block_length=getattr(outcome, "pass_block_length", 0),
                                            compute_ms=getattr(outcome, "compute_ms", None), requested=k,
-                                           echo=echo_hit(guess, outcome.tokens), open_ms=open_s * 1000)
+                                           echo=echo_hit(guess, outcome.tokens), open_ms=open_s * 1000,
+                                           pass_positions=getattr(outcome, "pass_positions", 0),
+                                           packed=getattr(outcome, "packed", None))
                 if draft is not None:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)

@@ -148,6 +148,8 @@ class RemoteVerifyOutcome(VerifyOutcome):
     batch_size: int = 1
     queue_ms: float = 0.0
     pass_block_length: int = 0  # positions per row of the pass (0: not reported)
+    pass_positions: int = 0  # positions the pass computed, all rows together (0: not reported)
+    packed: bool = False  # the replica packs rows of different block lengths (a block costs only its own positions)
     compute_ms: float | None = None  # the pass's time as the replica measured it
 
 
@@ -231,7 +233,8 @@ class RemoteTargetSession:
         self.new_features = features_from_proto(reply.features) if reply.HasField("features") else None
         return RemoteVerifyOutcome(num_accepted=reply.num_accepted, tokens=list(reply.token_ids),
                                    batch_size=max(int(reply.batch_size), 1), queue_ms=max(float(reply.queue_ms), 0.0),
-                                   pass_block_length=int(reply.pass_block_length), compute_ms=max(float(reply.verify_ms), 0.0))
+                                   pass_block_length=int(reply.pass_block_length), pass_positions=int(reply.pass_positions),
+                                   packed=bool(reply.packed), compute_ms=max(float(reply.verify_ms), 0.0))
 
     def close(self) -> None:
         if not self.stream.closed:

@@ -70,6 +70,7 @@ class RayTargetSession:
         return RemoteVerifyOutcome(num_accepted=reply["num_accepted"], tokens=list(reply["tokens"]),
                                    batch_size=max(int(reply["batch_size"]), 1), queue_ms=max(float(reply["queue_ms"]), 0.0),
                                    pass_block_length=int(reply["pass_block_length"]),
+                                   pass_positions=int(reply.get("pass_positions", 0)), packed=bool(reply.get("packed")),
                                    compute_ms=max(float(reply["verify_ms"]), 0.0))
 
     def close(self) -> None:

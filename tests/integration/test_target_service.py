@@ -144,8 +144,8 @@ def test_load_monitor_reads_a_real_targets_stats_and_seeds_the_cost_model(tiny):
             monitor.poll_once()
             signal = monitor.load(address)
             assert signal is not None and signal.open_sessions == 2 and signal.queue_depth == 0
-            assert {(b, n) for b, n, _, _ in costs.get(address).verify_table()} == {
-                (v.batch_size, v.block_length) for v in stats(stub).verify_latency}
+            assert {(b, p) for b, _, _, _, p in costs.get(address).verify_table()} == {
+                (v.batch_size, v.positions) for v in stats(stub).verify_latency}
             for s in sessions:
                 s.close()
     finally:

@@ -22,6 +22,7 @@ from coordinator.controller import (
     load_penalty,
     make_controller,
     pass_alphas,
+    packed_rates,
     pass_rates,
     pass_sessions,
     probe_period,
@@ -132,8 +133,9 @@ def test_expensive_draft_lowers_depth() -> None:
 def test_load_penalty() -> None:
     assert load_penalty(None) == 1.0
     assert load_penalty(LoadSignal(0, 16, 1.0, 16)) == 1.0
-    assert load_penalty(LoadSignal(8, 16, 1.0, 16)) == pytest.approx(1.5)
-    assert load_penalty(LoadSignal(8, 4, 0.25, 16)) > load_penalty(LoadSignal(8, 16, 1.0, 16))
+    assert load_penalty(LoadSignal(15, 16, 1.0, 16)) == 1.0  # the pass's other rows, queued for the next pass
+    assert load_penalty(LoadSignal(23, 16, 1.0, 16)) == pytest.approx(1.5)
+    assert load_penalty(LoadSignal(11, 4, 0.25, 16)) > load_penalty(LoadSignal(23, 16, 1.0, 16))
     assert LoadSignal(0, 40, 1.0, 16).batch_size == 16
     assert LoadSignal(0, 2, 0.5, 16).batch_size == 8
     stats = SimpleNamespace(queue_depth=3, open_sessions=5, batch_occupancy=0.25)
@@ -921,3 +923,118 @@ def test_a_cheap_first_probe_is_taken_whatever_the_method_did_lately() -> None:
     model = make_controller("auto", K_MAX, cm, poor)
     assert model._probe_extra_cost(None) > CHEAP_PROBE
     assert model.choose() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed passes: a row's block costs only its own positions
+# ---------------------------------------------------------------------------------------------
+
+PACKED_PLAIN_MS = {1: 60.0, 16: 130.0}
+PACKED_POSITION_MS = {1: 4.0, 16: 5.0}
+
+
+def packed_cost_model() -> CostModel:
+    """A replica that packs its passes: at batch 16 130 ms plain and 5 ms per draft position in
+    the pass (about what one costs on this project's CPU machines), at batch 1 60 and 4."""
+    cm = CostModel()
+    for _ in range(16):
+        for b in (1, 16):
+            for extra in (0, 2, 8, 16):
+                cm.observe_verify(b, 1 + -(-extra // b), PACKED_PLAIN_MS[b] + PACKED_POSITION_MS[b] * extra,
+                                  positions=b + extra, packed=True)
+    return cm
+
+
+def test_packed_observations_teach_the_cost_of_one_position() -> None:
+    cm = packed_cost_model()
+    assert cm.packed
+    assert cm.position_ms(16) == pytest.approx(5.0, rel=0.05)
+    assert cm.verify_ms(1, 16) == pytest.approx(130.0, rel=0.01)
+    # a padded pass of 16 rows x 3 positions is 32 extra positions on the same line
+    assert cm.verify_ms(3, 16) == pytest.approx(130.0 + 32 * 5.0, rel=0.05)
+    rows = cm.verify_table()
+    assert (16, 2, 16, pytest.approx(140.0), 18) in rows  # (batch, positions per row rounded up, count, ms, positions)
+
+
+def test_seeding_merges_cells_by_the_positions_they_computed() -> None:
+    cm = CostModel()
+    cm.seed_from_stats([SimpleNamespace(batch_size=4, block_length=3, count=2, mean_ms=50.0, positions=6),
+                        SimpleNamespace(batch_size=4, block_length=2, count=2, mean_ms=40.0, positions=6),
+                        (4, 2, 4, 70.0)])  # no positions: padded, 8
+    assert sorted((b, p, c, m) for b, _, c, m, p in cm.verify_table()) == [(4, 6, 4, 45.0), (4, 8, 4, 70.0)]
+
+
+def test_packed_rates_alone_are_depth_rates_over_a_verify_line() -> None:
+    draft = [0.0] + [1.5 * k for k in range(1, K_MAX + 1)]
+    verify = [60.0 + 4.0 * k for k in range(K_MAX + 1)]
+    for alpha in (0.2, 0.6, 0.9):
+        assert packed_rates(alpha, draft, 60.0, 4.0, 1, K_MAX) == pytest.approx(depth_rates(alpha, draft, verify, K_MAX))
+
+
+def test_packed_rates_charge_a_sessions_positions_to_every_row() -> None:
+    """At batch 16 a plain pass emits a token per row in 130 ms, and a draft position costs 5 ms
+    of every row's time: a position pays when it is accepted often enough to be worth 16 x 5 / 130
+    tokens, about 0.62."""
+    rates = packed_rates(0.5, [0.0] * (K_MAX + 1), 130.0, 5.0, 16, K_MAX)
+    assert max(range(K_MAX + 1), key=rates.__getitem__) == 0
+    rates = packed_rates(0.9, [0.0] * (K_MAX + 1), 130.0, 5.0, 16, K_MAX)
+    best = max(range(K_MAX + 1), key=rates.__getitem__)
+    assert 2 <= best <= 5 and rates[best] > 1.15 * rates[0]
+    # a draft call the whole pass waits for is charged to every row
+    slow_draft = [0.0] + [4.0] * K_MAX
+    assert packed_rates(0.9, slow_draft, 130.0, 5.0, 16, K_MAX, draft_rows=16)[2] < \
+        packed_rates(0.9, slow_draft, 130.0, 5.0, 16, K_MAX)[2]
+
+
+def test_in_a_packed_batch_each_session_chooses_its_own_depth() -> None:
+    """Sixteen sessions, eight copying (0.95) and eight not (0.05): padded, the pass stays plain for
+    all (test_half_the_batch_copying_...); packed, the copiers speculate and the others do not,
+    and the copiers' depth is the one they would choose in a batch of copiers."""
+    cm = packed_cost_model()
+    load = LoadSignal(0, 16)
+    mixed = controllers_on_one_replica([0.95] * 8 + [0.05] * 8, cm)
+    ks = [s.target(load) for s in mixed]
+    assert all(k >= 3 for k in ks[:8]) and all(k == 0 for k in ks[8:]), ks
+    copiers = controllers_on_one_replica([0.95] * 16, cm)
+    assert copiers[0].target(load) == ks[0]
+
+
+def test_a_packed_batch_probes_without_waiting_for_a_probe_pass() -> None:
+    """Packed, a probe lengthens the pass by its own positions only: a session whose output echoes
+    its context probes at its next step, whatever its peers do, as deep as would pay at the
+    probe rate."""
+    cm = packed_cost_model()
+    load = LoadSignal(0, 16)
+    sessions = controllers_on_one_replica([0.05] * 16, cm)
+    for s in sessions:  # everyone has drafted and is off
+        s.observe(2, 0, 0.0, 140.0, 16, pass_positions=18, packed=True)
+        assert s.choose(load) == 0
+    copier = sessions[0]
+    for _ in range(2):
+        copier.observe(0, 0, 0.0, 130.0, 16, pass_positions=16, packed=True, echo=True)
+    assert copier.choose(load) >= copier.probe_k
+
+
+def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts() -> None:
+    """On a CPU a pass of 16 rows costs more as soon as any row brings a block (18 rows run slower
+    per row than 16, longer blocks add attention calls): 20 ms here, on top of 5 ms a position.
+    A session whose gain covers the positions but not the jump stays off while no peer drafts
+    and none would gain like it; it drafts once a peer drafts (the jump is paid anyway), or when
+    enough peers would gain to share the jump."""
+    cm = CostModel()
+    for _ in range(16):
+        for extra in (0, 2, 8, 16):
+            cm.observe_verify(16, 2, 130.0 + (20.0 if extra else 0.0) + 5.0 * extra, positions=16 + extra, packed=True)
+    assert cm.packed_jump_ms(16) == pytest.approx(20.0, rel=0.05)
+    assert cm.position_ms(16) == pytest.approx(5.0, rel=0.05)
+    assert CostModel().packed_jump_ms(16) == 0.0  # nothing seen: no jump
+    load = LoadSignal(0, 16)
+    peers = PassPeers()
+    good = DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.95, prior_weight=1000.0), peers=peers)
+    others = [DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.05, prior_weight=1000.0), peers=peers)
+              for _ in range(15)]
+    assert good.target(load) == 0
+    others[0]._commit(2)  # a peer drafts: the pass is packed anyway
+    assert good.target(load) > 0
+    copiers = controllers_on_one_replica([0.95] * 8 + [0.05] * 8, cm)  # eight share the jump
+    assert all(s.target(load) > 0 for s in copiers[:8]) and all(s.target(load) == 0 for s in copiers[8:])
