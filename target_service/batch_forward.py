@@ -76,14 +76,15 @@ def inverse_permutation(order: list[int]) -> list[int]:
 
 
 def should_pack(lengths: list[int], cpu: bool, min_rows: int = MIN_FAST_ROWS) -> bool:
-    """Whether a verify pass over rows of these block lengths runs packed: when the rows differ
-    (equal rows pad nothing) and, on a CPU, when the real tokens make a fast kernel shape."""
+    """Whether a verify pass over rows of these block lengths runs packed: when several rows
+    bring blocks (with equal blocks nothing is padded, but packed attention still reads the
+    grouped K/V in place) and, on a CPU, when the real tokens make a fast kernel shape."""
     return len(lengths) > 1 and max(lengths) > 1 and (not cpu or sum(lengths) >= min_rows)
 
 
 class BatchedForward:
     """Forward passes over KV-pool rows: padded to the longest row, or packed
-    (target_service/packed_attention.py) when the rows bring blocks of different lengths and
+    (target_service/packed_attention.py) when several rows bring blocks (`should_pack`) and
     `packed` is on."""
 
     def __init__(self, model: LoadedModel, packed: bool = True):
@@ -111,7 +112,7 @@ class BatchedForward:
         lengths = [len(r.tokens) for r in rows]
         if self.packed and not keep_last and should_pack(lengths, device.type == "cpu"):
             self.last_positions = sum(lengths)
-            return self._run_packed(rows, features)
+            return self._run_packed(rows, lengths, features)
         n_new = max(lengths)
         if device.type == "cpu" and not keep_last:  # a prefill keeps the last position: never padded
             n_new = fast_block_length(len(rows), n_new, self.model.max_context - max(r.start for r in rows))
@@ -129,25 +130,27 @@ class BatchedForward:
                       cache=view, use_cache=True)
         if self.wrapped and len(rows) == 1 and rows[0].start == 0 and n_new == len(rows[0].tokens) > 1:
             inputs["causal_prefill"] = True  # a prompt from position 0: the mask is plain causal
-        keep = keep_last if len(rows) == 1 else 0
-        hidden = None
-        with torch.inference_mode():
-            if features:
-                model = self.model.model
-                hidden = model.get_decoder()(**inputs).last_hidden_state
-                logits = model.get_output_embeddings()(hidden[:, -keep:] if keep else hidden).float()
-            else:
-                logits = self.model.model(**inputs, logits_to_keep=keep).logits.float()
+        logits, hidden = self._call(inputs, features, keep_last if len(rows) == 1 else 0)
         feats = None if hidden is None else [hidden[b, : len(r.tokens)].float() for b, r in enumerate(rows)]
         if len(rows) == 1:
             return [logits[0, : len(rows[0].tokens)]], feats
         return ([logits[b, : len(r.tokens)][-keep_last:] if keep_last else logits[b, : len(r.tokens)]
                  for b, r in enumerate(rows)], feats)
 
-    def _run_packed(self, rows: list[RowInput], features: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _call(self, inputs: dict, features: bool, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model on `inputs`: float32 logits (of the last `keep` positions, all with 0) and,
+        with `features`, the final hidden states of every position."""
+        with torch.inference_mode():
+            if not features:
+                return self.model.model(**inputs, logits_to_keep=keep).logits.float(), None
+            model = self.model.model
+            hidden = model.get_decoder()(**inputs).last_hidden_state
+            return model.get_output_embeddings()(hidden[:, -keep:] if keep else hidden).float(), hidden
+
+    def _run_packed(self, rows: list[RowInput], lengths: list[int],
+                    features: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """`run_with_features` for rows in slot order, their new tokens as one sequence."""
         device = self.model.device
-        lengths = [len(r.tokens) for r in rows]
         packing = Packing.of(lengths, device)
         kv_length = max(r.start + n for r, n in zip(rows, lengths))
         self.pool.ensure_capacity(kv_length)
@@ -158,14 +161,6 @@ class BatchedForward:
         view = BatchCacheView(self.pool, [r.slot for r in rows], [r.start for r in rows], kv_length, lengths)
         inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                       cache=view, use_cache=True, packing=packing)
-        hidden = None
-        with torch.inference_mode():
-            if features:
-                model = self.model.model
-                hidden = model.get_decoder()(**inputs).last_hidden_state[0]
-                logits = model.get_output_embeddings()(hidden).float()
-            else:
-                logits = self.model.model(**inputs).logits[0].float()
-        logit_rows = list(torch.split(logits, lengths))
-        feats = None if hidden is None else [h.float() for h in torch.split(hidden, lengths)]
-        return logit_rows, feats
+        logits, hidden = self._call(inputs, features)
+        feats = None if hidden is None else [h.float() for h in torch.split(hidden[0], lengths)]
+        return list(torch.split(logits[0], lengths)), feats

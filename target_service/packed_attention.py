@@ -35,13 +35,15 @@ class Packing:
     lengths: tuple[int, ...]
     offsets: tuple[int, ...]
     firsts: torch.Tensor  # [rows] long: each row's first token in the packed sequence
+    uniform: bool  # every row brings as many tokens: the packed sequence is the padded grid
 
     @classmethod
     def of(cls, lengths: list[int], device: torch.device) -> "Packing":
         offsets = [0]
         for n in lengths[:-1]:
             offsets.append(offsets[-1] + n)
-        return cls(tuple(lengths), tuple(offsets), torch.tensor(offsets, dtype=torch.long, device=device))
+        return cls(tuple(lengths), tuple(offsets), torch.tensor(offsets, dtype=torch.long, device=device),
+                   len(set(lengths)) == 1)
 
 
 def grouped_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -74,7 +76,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     of a longer block runs per row, over that row's keys alone. Padding every row to the longest
     block instead tripled the attention work of a batch-16 pass with one 3-token block (attention
     cost goes with the query rows), a third of the pass on a CPU."""
-    if len(set(packing.lengths)) == 1:  # equal blocks: the packed sequence is the padded grid
+    if packing.uniform:
         rows, n = len(packing.lengths), packing.lengths[0]
         grid = query[0].view(query.shape[1], rows, n, query.shape[3]).transpose(0, 1)
         return grouped_query_attention(grid, key, value, mask, scaling).reshape(1, rows * n, query.shape[1], -1)
@@ -121,6 +123,7 @@ def packed_attention_function(inner: Callable[..., tuple[torch.Tensor, Any]]) ->
         return packed_attention(query, key, value, attention_mask, packing, scaling), None
 
     return attention
+
 
 def install(model: Any) -> bool:
     """Wrap the model's attention implementation so that its forward accepts `packing=` and

@@ -54,9 +54,9 @@ class BatchStats:
         self.batch_sizes: dict[int, int] = defaultdict(int)
         self.latency: dict[tuple[int, int, int], tuple[int, float]] = {}  # -> (count, total ms)
 
-    def record(self, batch_size: int, block_length: int, ms: float, positions: int = 0) -> None:
-        """positions: what the pass computed, all rows together (0: batch_size x block_length)."""
-        key = (batch_size, block_length, positions or batch_size * block_length)
+    def record(self, batch_size: int, block_length: int, ms: float, positions: int) -> None:
+        """positions: what the pass computed, all rows together."""
+        key = (batch_size, block_length, positions)
         with self.lock:
             self.batch_sizes[batch_size] += 1
             count, total = self.latency.get(key, (0, 0.0))
