@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+from specd.openmp import apply_openmp_defaults
+
+# Before torch loads libgomp: the suite runs passes on servicer and scheduler threads as well as
+# the main one, and with more OpenMP teams than cores libgomp throttles every parallel region
+# (specd/openmp.py). Measured: a sampling-exactness case after the target-service tests took
+# 22 s without these settings and 11 s with them, as long as it takes alone.
+apply_openmp_defaults()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from specd.workloads import Prompt, default_prompts_path, load_prompts
 
