@@ -1038,3 +1038,31 @@ def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts()
     assert good.target(load) > 0
     copiers = controllers_on_one_replica([0.95] * 8 + [0.05] * 8, cm)  # eight share the jump
     assert all(s.target(load) > 0 for s in copiers[:8]) and all(s.target(load) == 0 for s in copiers[8:])
+
+
+def test_unseen_positions_are_capped_by_what_the_methods_sessions_accepted_there() -> None:
+    """Earlier sessions of the method found copied spans two tokens long (position 1 accepted,
+    position 2 and on almost never): a new session whose second position accepts does not
+    extrapolate that to positions it has not drafted, and stays at the depth that pays."""
+    shared = SharedAcceptance()
+    for i in range(300):
+        shared.update(6, 2 if i % 2 else 0)  # half the blocks keep two tokens, none keeps three
+    caps = shared.position_caps()
+    assert caps[0] == pytest.approx(0.5, abs=0.05) and caps[1] > 0.9 and caps[2] < 0.05
+    assert shared.position_caps(min_trials=1e9) == [None] * len(caps)  # too little evidence: no cap
+
+    def deep_session(capped: bool) -> AcceptanceEstimator:
+        est = AcceptanceEstimator(alpha0=0.5, prior_weight=2.0)
+        for _ in range(6):
+            est.update(2, 2)  # its own blocks of two all went through
+        if capped:
+            est.ceilings = shared.position_caps
+        return est
+
+    free, capped = deep_session(False).profile(K_MAX), deep_session(True).profile(K_MAX)
+    assert free[:2] == capped[:2]  # positions it drafted keep its own rates
+    assert free[2] > 0.8 and capped[2] < 0.05  # (positions past it never tried: a cap of none, reached 2 % of the time)
+    verify = [simulated_verify_ms(k + 1, 1) for k in range(K_MAX + 1)]
+    deep = pass_rates([0.8], lambda k: 0.0, verify, K_MAX, profile=free)
+    shallow = pass_rates([0.8], lambda k: 0.0, verify, K_MAX, profile=capped)
+    assert deep.index(max(deep)) > 2 and shallow.index(max(shallow)) == 2
