@@ -1,0 +1,82 @@
+"""Held cells: one stack, depth configurations back to back at one concurrency, several repetitions.
+
+    python scripts/held_cells.py KIND CONCURRENCY CONFIGS [--seconds 15] [--reps 3]
+
+CONFIGS is a comma list of depths ("0" is speculation off, "auto" the controller, a number a fixed
+k), e.g. `python scripts/held_cells.py extract 16 0,2,auto`. Per cell it prints tokens/s, the k
+chosen per step, drafted and accepted tokens, tokens per step, the p50 time to first token and
+the CPU use of each service. `specd bench-load` runs every kind and level once per run; this
+repeats a few cells on one stack, where the swing between runs would hide a few percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import psutil
+
+from coordinator.bench_load import _wait_idle
+from coordinator.loadgen import LoadGenerator, LoadSpec, summarize
+from specd.launcher import start_stack
+from specd.models import load_model
+from specd.workloads import default_prompts_path, load_prompts
+from specdec.v1 import target_pb2_grpc
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind")
+    parser.add_argument("concurrency", type=int)
+    parser.add_argument("configs", help="comma list: 0 (off), auto, or a fixed k")
+    parser.add_argument("--seconds", type=float, default=15.0, help="window per cell (default 15)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32, help="cap per request, as bench-load's default")
+    args = parser.parse_args()
+    prompts = [p.with_max_tokens(min(p.max_tokens, args.max_tokens))
+               for p in load_prompts(default_prompts_path()) if p.kind == args.kind]
+    if not prompts:
+        parser.error(f"no prompts of kind {args.kind!r}")
+    target = load_model()
+    encoded = {p.id: target.encode(p.prompt, chat=p.chat) for p in prompts}
+    stack = start_stack(Path(tempfile.mkdtemp(prefix="held-cells-")), method="ngram", k="auto")
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.target.address))
+    services = {name: psutil.Process(getattr(stack, name).proc.pid) for name in ("target", "draft", "coordinator")}
+    try:
+        gen = LoadGenerator(stack.coordinator.address, prompts, encode=lambda p: encoded[p.id])
+        gen.closed_loop(args.concurrency, args.concurrency, LoadSpec("ngram", "auto", max_tokens=8))  # warm-up
+        for rep in range(args.reps):
+            for depth in args.configs.split(","):
+                spec = LoadSpec("ngram" if depth != "0" else "none", depth, max_tokens=args.max_tokens)
+                before, start = {n: cpu_seconds(p) for n, p in services.items()}, time.time()
+                records, window = gen.closed_loop_for(args.concurrency, args.seconds, spec, 0.2)
+                elapsed = time.time() - start
+                cpu = {n: round(100 * (cpu_seconds(p) - before[n]) / elapsed) for n, p in services.items()}
+                _wait_idle(stub)
+                s = summarize(records, window[1], window=window)
+                ks = sorted(Counter(k for r in records for k in r.k_per_step).items())
+                drafted = sum(r.num_draft_tokens for r in records)
+                accepted = sum(r.num_accepted_tokens for r in records)
+                steps = sum(len(r.k_per_step) for r in records)
+                ttft = sorted(r.ttft for r in records if r.ttft is not None)
+                print(f"rep {rep} {args.kind} c{args.concurrency} {depth}: {s['tokens_per_s']:.1f} tok/s, "
+                      f"mean k {s['mean_k']:.2f}, k per step {ks}", flush=True)
+                print(f"    drafted {drafted}, accepted {accepted} ({accepted / max(drafted, 1):.2f}), tokens/step "
+                      f"{sum(r.tokens for r in records) / max(steps, 1):.2f}, ttft p50 "
+                      f"{ttft[len(ttft) // 2] * 1000 if ttft else float('nan'):.0f} ms, CPU % {cpu}", flush=True)
+        gen.close()
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    main()
