@@ -180,11 +180,11 @@ def _cell(gen: LoadGenerator, concurrency: int, spec: LoadSpec, seconds: float, 
         records, wall = gen.closed_loop(1, len(gen.prompts), spec)
         return summarize(records, wall)
     records, window = gen.closed_loop_for(concurrency, seconds, spec, stagger)
-    _wait_idle(target_stub)
+    wait_idle(target_stub)
     return summarize(records, window[1], window=window)
 
 
-def _wait_idle(target_stub, timeout_s: float = 10.0) -> None:
+def wait_idle(target_stub, timeout_s: float = 10.0) -> None:
     """Until the target has no open session (cancelled streams end a step later), at most `timeout_s`."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:

@@ -315,7 +315,8 @@ class AcceptanceEstimator:
     model that `expected_tokens` assumes. `position_rates` shrinks each position toward it.
     """
 
-    def __init__(self, alpha0: float = 0.5, prior_weight: float = 4.0, window: float = 32.0):
+    def __init__(self, alpha0: float = 0.5, prior_weight: float = 4.0, window: float = 32.0,
+                 ceilings: Callable[[], Sequence[float | None]] | None = None):
         if not 0.0 <= alpha0 <= 1.0:
             raise ValueError(f"alpha0 must be in [0, 1], got {alpha0}")
         if prior_weight <= 0 or window < 1:
@@ -329,7 +330,7 @@ class AcceptanceEstimator:
         self.trials: list[float] = []
         self.steps = 0
         # per position, the most an unseen position may be assumed to accept (None: no cap)
-        self.ceilings: Callable[[], Sequence[float | None]] | None = None
+        self.ceilings = ceilings
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Record one verify step: num_drafted proposed, the first num_accepted of them accepted."""
@@ -388,7 +389,7 @@ class AcceptanceEstimator:
         drafted tokens accepted against 0.39)."""
         rates = self.position_rates[:depth]
         if len(rates) < depth:
-            caps = list(self.ceilings()) if self.ceilings is not None else []
+            caps = self.ceilings() if self.ceilings is not None else []
             if rates or caps:
                 unseen = self.continuation_rate if rates else self.alpha
                 for j in range(len(rates), depth):
@@ -1031,9 +1032,8 @@ class DepthController:
         self.probe_alpha = probe_alpha
         if estimator is None:
             # Seeded from the shared rate, but lightly: its sessions ran other prompts.
-            estimator = AcceptanceEstimator(alpha0=shared.seed, prior_weight=2.0) if shared is not None else AcceptanceEstimator()
-            if shared is not None:
-                estimator.ceilings = shared.position_caps
+            estimator = (AcceptanceEstimator(alpha0=shared.seed, prior_weight=2.0, ceilings=shared.position_caps)
+                         if shared is not None else AcceptanceEstimator())
         self.estimator = estimator
         self.shared = shared
         self.k: int | None = None  # the committed depth (a probe step does not change it)

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-from coordinator.bench_load import _wait_idle
+from coordinator.bench_load import wait_idle
 from coordinator.loadgen import LoadGenerator, LoadSpec, summarize
 from specd.launcher import start_stack
 from specd.models import load_model
@@ -61,7 +61,7 @@ def main() -> None:
                 records, window = gen.closed_loop_for(args.concurrency, args.seconds, spec, 0.2)
                 elapsed = time.time() - start
                 cpu = {n: round(100 * (cpu_seconds(p) - before[n]) / elapsed) for n, p in services.items()}
-                _wait_idle(stub)
+                wait_idle(stub)
                 s = summarize(records, window[1], window=window)
                 ks = sorted(Counter(k for r in records for k in r.k_per_step).items())
                 drafted = sum(r.num_draft_tokens for r in records)

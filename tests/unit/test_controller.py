@@ -1052,11 +1052,9 @@ def test_unseen_positions_are_capped_by_what_the_methods_sessions_accepted_there
     assert shared.position_caps(min_trials=1e9) == [None] * len(caps)  # too little evidence: no cap
 
     def deep_session(capped: bool) -> AcceptanceEstimator:
-        est = AcceptanceEstimator(alpha0=0.5, prior_weight=2.0)
+        est = AcceptanceEstimator(alpha0=0.5, prior_weight=2.0, ceilings=shared.position_caps if capped else None)
         for _ in range(6):
             est.update(2, 2)  # its own blocks of two all went through
-        if capped:
-            est.ceilings = shared.position_caps
         return est
 
     free, capped = deep_session(False).profile(K_MAX), deep_session(True).profile(K_MAX)
