@@ -25,6 +25,8 @@ CONFIG_FILE_ENV = "SPECD_CONFIG"
 SERVICES = ("target", "draft", "coordinator")
 DRAFT_METHODS = ("none", "ngram", "suffix", "draft_model", "head")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# How a CPU model's linear layers multiply: oneDNN's inner product, or torch's default (specd/cpu_kernels.py).
+LINEAR_KERNELS = ("onednn", "aten")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -95,6 +97,8 @@ class TargetConfig(ServiceConfig):
     model: str | None = _opt(None, "target model: Hugging Face id, folder or GGUF file (unset: bundled default)")
     device: str = _opt("cpu", "torch device, e.g. cpu, cuda, cuda:1")
     dtype: str | None = _opt(None, "torch dtype, e.g. float32, bfloat16 (unset: the model's)")
+    linear_kernel: str = _opt("onednn", "kernel of a float32 CPU model's linear layers: onednn (faster on few token "
+                                        "rows) or aten (torch's default)", choices=LINEAR_KERNELS)
     max_sessions: int = _opt(64, "sessions admitted at once; more are refused with RESOURCE_EXHAUSTED", minimum=1)
     max_batch_size: int = _opt(16, "most verify requests sharing one forward pass", minimum=1)
     batch_wait_ms: float = _opt(2.0, "how long a forward pass waits for more requests to batch", minimum=0)
@@ -118,6 +122,8 @@ class DraftConfig(ServiceConfig):
     model: str | None = _opt(None, "draft model spec, for method draft_model")
     device: str = _opt("cpu", "torch device of the draft model")
     dtype: str | None = _opt(None, "torch dtype of the draft model (unset: the model's)")
+    linear_kernel: str = _opt("onednn", "kernel of a float32 CPU draft model's linear layers: onednn or aten",
+                              choices=LINEAR_KERNELS)
     target_model: str | None = _opt(None, "the target: tokenizer source for model-free methods, embedding and LM head "
                                           "for method head (unset: bundled default)")
     head: str | None = _opt(None, "trained draft head directory (specd train-draft) for method head (unset: the head "

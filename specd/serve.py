@@ -50,12 +50,21 @@ def _attach(handle: ServerHandle, telemetry: Telemetry) -> None:
     handle.telemetry = telemetry  # type: ignore[attr-defined]
 
 
+def _use_linear_kernel(service: str, model, kernel: str) -> None:
+    from specd.cpu_kernels import use_linear_kernel
+
+    swapped = use_linear_kernel(model, kernel)
+    print(f"specd {service} linear layers: " + (f"oneDNN ({swapped} layers)" if swapped else "torch default"),
+          file=sys.stderr, flush=True)
+
+
 def start_target(cfg: TargetConfig, telemetry: Telemetry | None = None) -> ServerHandle:
     """`telemetry`: tests pass their own; by default it comes from cfg.metrics_port and OTEL_* env."""
     from specd.models import load_model
     from target_service.server import SERVICE_NAME, TargetServicer, register
 
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    _use_linear_kernel("target", model.model, cfg.linear_kernel)
     telemetry = _telemetry("target", cfg, model.name, telemetry)
     servicer = TargetServicer(model, cfg.max_sessions, cfg.max_batch_size, cfg.batch_wait_ms, cfg.session_ttl_s,
                               telemetry=telemetry, kv_budget_mb=cfg.kv_budget_mb,
@@ -73,6 +82,8 @@ def start_draft(cfg: DraftConfig, telemetry: Telemetry | None = None) -> ServerH
     from specd.models import load_model
 
     draft = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype) if cfg.model else None
+    if draft is not None:
+        _use_linear_kernel("draft", draft.model, cfg.linear_kernel)
     telemetry = _telemetry("draft", cfg, draft.name if draft is not None else None, telemetry)
     # With a draft model, GetModelInfo names it (a metric attribute) and carries its vocab_hash,
     # which the coordinator and every draft_model session open are checked against.

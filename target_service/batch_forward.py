@@ -13,14 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
+from specd.cpu_kernels import runs_onednn
 from specd.models import LoadedModel
 from target_service.kv_pool import BatchCacheView, KVPool, KVShape
 from target_service.packed_attention import Packing, install
 
 
-# CPU matrix kernels run a linear layer on 2 to 4 token rows slower than on 5 to 8 (torch 2.13,
-# 2 cores, SmolLM2-135M: a verify pass of 3 tokens 109 ms, of 4 83 ms, of 5 72 ms, of 1 58 ms;
-# docs/benchmarks.md, "Small CPU blocks"). A pass with 2 to 4 rows in all is padded to 5.
+# torch's CPU matrix kernels (MKL) run a linear layer on 2 to 4 token rows slower than on 5 to 8
+# (torch 2.13, 2 cores, SmolLM2-135M: a verify pass of 3 tokens 109 ms, of 4 83 ms, of 5 72 ms,
+# of 1 58 ms; docs/benchmarks.md, "Small CPU blocks"). On them a pass with 2 to 4 rows in all is
+# padded to 5. oneDNN's kernels (specd/cpu_kernels.py, the default) have no such dip, and there
+# padding only costs: 2 sessions x 1 token 56-66 ms unpadded against 69-86 padded to 6 rows.
 MIN_FAST_ROWS = 5
 
 
@@ -110,12 +113,13 @@ class BatchedForward:
             return [logits[i] for i in back], None if feats is None else [feats[i] for i in back]
         device = self.model.device
         lengths = [len(r.tokens) for r in rows]
-        if self.packed and not keep_last and should_pack(lengths, device.type == "cpu"):
+        min_rows = 1 if runs_onednn(self.model.model) else MIN_FAST_ROWS
+        if self.packed and not keep_last and should_pack(lengths, device.type == "cpu", min_rows):
             self.last_positions = sum(lengths)
             return self._run_packed(rows, lengths, features)
         n_new = max(lengths)
         if device.type == "cpu" and not keep_last:  # a prefill keeps the last position: never padded
-            n_new = fast_block_length(len(rows), n_new, self.model.max_context - max(r.start for r in rows))
+            n_new = fast_block_length(len(rows), n_new, self.model.max_context - max(r.start for r in rows), min_rows)
         self.last_positions = len(rows) * n_new
         kv_length = max(r.start for r in rows) + n_new
         self.pool.ensure_capacity(kv_length)

@@ -102,13 +102,15 @@ class TargetDeployment:
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str | None = None,
                  max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 2.0,
-                 session_ttl_s: float = 600.0, straggler_wait_ms: float = 40.0):
+                 session_ttl_s: float = 600.0, straggler_wait_ms: float = 40.0, linear_kernel: str = "onednn"):
+        from specd.cpu_kernels import use_linear_kernel
         from specd.models import load_model
         from specd.vocab import vocab_hash
         from target_service.scheduler import VerifyScheduler
         from target_service.verifier import TargetModel
 
         self.model = load_model(model, device=device, dtype=dtype)
+        use_linear_kernel(self.model.model, linear_kernel)
         self.target = TargetModel(self.model)
         self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms,
                                          straggler_wait_ms=straggler_wait_ms)
@@ -178,12 +180,15 @@ class DraftDeployment:
     """The proposers (n-gram and suffix always, a draft model when `model` is given)."""
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str | None = None,
-                 session_ttl_s: float = 600.0):
+                 session_ttl_s: float = 600.0, linear_kernel: str = "onednn"):
         self.proposers = {m: make_proposer(m) for m in ("ngram", "suffix")}
         if model:
+            from specd.cpu_kernels import use_linear_kernel
             from specd.models import load_model
 
-            self.proposers["draft_model"] = make_proposer("draft_model", load_model(model, device=device, dtype=dtype))
+            draft = load_model(model, device=device, dtype=dtype)
+            use_linear_kernel(draft.model, linear_kernel)
+            self.proposers["draft_model"] = make_proposer("draft_model", draft)
         self.sessions = SessionTable(session_ttl_s, lambda s: s.close())
 
     def open(self, prompt_ids: list[int], params: SamplingParams, method: str) -> str:

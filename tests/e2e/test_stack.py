@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -32,6 +33,14 @@ def test_health_serving_and_reflection_on_all_three(stack):
                 assert health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
             services = ProtoReflectionDescriptorDatabase(ch).get_services()
             assert service in services and "grpc.health.v1.Health" in services
+
+
+def test_target_and_draft_models_run_onednn_linear_layers(stack):
+    """The default kernel on a CPU (specd/cpu_kernels.py): the exactness tests below then compare
+    services running it with transformers' stock generation in this process."""
+    for service in (stack.target, stack.draft):
+        swapped = re.search(r"linear layers: oneDNN \((\d+) layers\)", service.log.read_text())
+        assert swapped and int(swapped.group(1)) > 0, f"{service.name} does not run oneDNN linear layers"
 
 
 @pytest.mark.parametrize("depth,pipeline", [(4, False), ("auto", True)])

@@ -1,4 +1,5 @@
-"""Verify passes of 2 to 4 token rows are padded to 5 on CPU (target_service/batch_forward.py)."""
+"""Verify passes of 2 to 4 token rows are padded to 5 on CPU with torch's MKL kernels, not with oneDNN
+(target_service/batch_forward.py)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,13 @@ def test_no_padding_past_the_context():
 ])
 def test_which_passes_are_packed(lengths, cpu, expected):
     assert should_pack(lengths, cpu) is expected
+
+
+@pytest.mark.parametrize("batch,n_new", [(1, 2), (1, 4), (2, 1), (3, 1), (2, 2)])
+def test_with_onednn_kernels_nothing_is_padded(batch, n_new):
+    """oneDNN's linear layers (specd/cpu_kernels.py) have no slow 2-4 row shapes: min_rows 1."""
+    assert fast_block_length(batch, n_new, room=100, min_rows=1) == n_new
+
+
+def test_with_onednn_kernels_a_small_mixed_pass_is_packed():
+    assert should_pack([2, 1], cpu=True, min_rows=1) is True

@@ -1,0 +1,88 @@
+"""oneDNN kernels for the linear layers of a model served on a CPU.
+
+torch runs `nn.Linear` on a CPU through MKL. On the machines this project runs on (2 cores,
+AVX-512, torch 2.13) MKL multiplies a single token row on one core, and 2 to 4 rows slower
+than 5 to 8 (the reason for `fast_block_length`); the LM head of the bundled model, a 49152 x
+576 product, takes 11.4 ms for one row and 25 ms for two. oneDNN's inner product
+(`torch.ops.mkldnn._linear_pointwise`, the op torch.compile's CPU backend emits for linear
+layers) reads the same dense float32 weights, keeps both cores busy at every row count, and
+takes 5.4 ms and 7.8 ms there. On the whole model, one forward pass at 400 cached tokens, in one
+process (docs/benchmarks.md, "oneDNN linear layers"): 1 token 64.6 -> 58.8 ms, 5 tokens 84.3 ->
+70.8 ms, 9 tokens 97.8 -> 78.4 ms, 4 sessions x 1 token 105.7 -> 87.9 ms.
+
+The two kernels sum in different orders, so logits differ in the last bits (about 1e-4 on
+logits of magnitude 10-30), as MKL's own one-row and five-row products already do. Greedy output
+is still the target's token for token wherever the top two logits are not within that distance;
+the end-to-end exactness tests compare services running these kernels with transformers' stock
+generation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from specd.config import LINEAR_KERNELS
+
+log = logging.getLogger(__name__)
+
+# Float32 alone: the kernels were measured and checked in float32; other dtypes keep torch's.
+_ONEDNN_DTYPES = (torch.float32,)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class OneDnnLinear(nn.Linear):
+    """An `nn.Linear` whose forward runs oneDNN's inner product on its own dense weights. Installed
+    by swapping the class of existing modules, so tied weights (an LM head sharing the embedding
+    matrix) stay shared and nothing is copied. Inference only: the op has no autograd formula."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _onednn_linear(x, self.weight, self.bias)
+
+
+def onednn_linear_works(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build has the oneDNN linear op and it agrees with `F.linear` on a probe."""
+    if dtype not in _ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(64, 32, generator=generator, dtype=dtype)
+        bias = torch.randn(64, generator=generator, dtype=dtype)
+        x = torch.randn(2, 3, 32, generator=generator, dtype=dtype)
+        with torch.inference_mode():
+            got = _onednn_linear(x, weight, bias)
+            want = nn.functional.linear(x, weight, bias)
+    except (RuntimeError, AttributeError) as err:  # op missing from this build, or refused
+        log.info("oneDNN linear kernel unavailable: %s", err)
+        return False
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def runs_onednn(model: nn.Module) -> bool:
+    """Whether `model`'s LM head (and so, after `use_linear_kernel`, its other linear layers) runs on oneDNN."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return type(get_head() if get_head is not None else None) is OneDnnLinear
+
+
+def use_linear_kernel(model: nn.Module, kernel: str) -> int:
+    """Runs every plain `nn.Linear` of `model` on `kernel` ("onednn" or "aten", torch's default).
+    Returns how many layers now run on oneDNN: 0 with "aten", when the model is not a float32 CPU
+    model, or when the op is missing or fails its probe (then nothing changes)."""
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"linear kernel {kernel!r} is not one of {', '.join(LINEAR_KERNELS)}")
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, OneDnnLinear)]
+    if kernel == "aten":
+        for module in linears:
+            module.__class__ = nn.Linear
+        return 0
+    cpu_float32 = [m for m in linears if m.weight.device.type == "cpu" and m.weight.dtype in _ONEDNN_DTYPES]
+    if not cpu_float32 or not onednn_linear_works(cpu_float32[0].weight.dtype):
+        return 0
+    for module in cpu_float32:
+        module.__class__ = OneDnnLinear
+    return len(cpu_float32)

@@ -1,0 +1,82 @@
+"""The oneDNN linear kernel swap (specd/cpu_kernels.py) on small models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specd import cpu_kernels
+from specd.cpu_kernels import OneDnnLinear, use_linear_kernel
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.onednn_linear_works(), reason="this torch build has no oneDNN linear op")
+
+
+class TiedLM(nn.Module):
+    """An embedding, two linear layers and an LM head tied to the embedding, like the bundled target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(300, 48)
+        self.up = nn.Linear(48, 96)
+        self.down = nn.Linear(96, 48, bias=False)
+        self.head = nn.Linear(48, 300, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(torch.relu(self.up(self.embed(ids)))))
+
+
+def test_onednn_swaps_every_linear_keeps_tied_weights_and_agrees_with_torch():
+    model = TiedLM()
+    ids = torch.randint(0, 300, (3, 7))
+    with torch.inference_mode():
+        want = model(ids)
+    assert use_linear_kernel(model, "onednn") == 3
+    assert all(type(m) is OneDnnLinear for m in (model.up, model.down, model.head))
+    assert model.head.weight is model.embed.weight  # tied: nothing copied
+    for rows in (ids[:1, :1], ids[:1], ids):  # one token, one sequence, a batch
+        with torch.inference_mode():
+            got = model(rows)
+            torch.testing.assert_close(got, want[: rows.shape[0], : rows.shape[1]], rtol=1e-5, atol=1e-5)
+
+
+def test_aten_restores_torchs_kernel():
+    model = TiedLM()
+    use_linear_kernel(model, "onednn")
+    assert use_linear_kernel(model, "aten") == 0
+    assert all(type(m) is nn.Linear for m in (model.up, model.down, model.head))
+
+
+def test_a_model_that_is_not_float32_keeps_torchs_kernel():
+    model = TiedLM().to(torch.bfloat16)
+    assert use_linear_kernel(model, "onednn") == 0
+    assert type(model.up) is nn.Linear
+
+
+def test_a_failing_probe_leaves_the_model_unchanged(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr(cpu_kernels, "_onednn_linear", broken)
+    model = TiedLM()
+    assert use_linear_kernel(model, "onednn") == 0
+    assert type(model.head) is nn.Linear
+
+
+def test_an_unknown_kernel_is_refused_by_name():
+    with pytest.raises(ValueError, match="'blas'.*onednn, aten"):
+        use_linear_kernel(TiedLM(), "blas")
+
+
+def test_runs_onednn_reads_the_output_embeddings():
+    class WithHead(TiedLM):
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+    model = WithHead()
+    assert not cpu_kernels.runs_onednn(model)
+    use_linear_kernel(model, "onednn")
+    assert cpu_kernels.runs_onednn(model)
+    assert not cpu_kernels.runs_onednn(nn.Linear(2, 2))  # no output embeddings at all
