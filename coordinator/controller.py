@@ -727,8 +727,13 @@ CHEAP_PROBE = 0.25
 # Decayed steps of a method that must have tried a draft position before its acceptance there caps
 # what a new session assumes for it (SharedAcceptance.position_caps).
 CAP_MIN_TRIALS = 8.0
-# k = 0 steps in a row whose token the context predicted (coordinator/echo.py) that make a probe step
+# k = 0 steps in a row whose token the context predicted (coordinator/echo.py) that make a probe step;
+# each echo probe of a session that accepts nothing doubles the streak its next one needs, up to
+# ECHO_STREAK_MAX (code echoes its context often, in names and indentation, and its n-gram drafts
+# still fail: at concurrency 1 echo probes had auto drafting on a fifth of its steps at 0.08
+# acceptance, 0.87x speculation off).
 ECHO_STREAK = 2
+ECHO_STREAK_MAX = 16
 
 
 def probe_period(plain_ms: float, probe_ms: float, budget: float | None = None, least: int | None = None) -> int:
@@ -1047,6 +1052,8 @@ class DepthController:
         self._probed = False
         self._drafted = False  # has any step of this session drafted yet
         self._echo_streak = 0  # k = 0 steps in a row whose token echoed the context
+        self._echo_needed = ECHO_STREAK  # the streak that makes the next echo probe
+        self._echo_probe = False  # the last step chosen was a probe called by echoes
         # share of the asked draft tokens the proposer drafted; starts from the method's recent steps
         self.fill = _Mean(shared.fill if shared is not None else 1.0, FILL_PRIOR)
         self.peers = peers if mode == "auto" else None
@@ -1173,10 +1180,12 @@ class DepthController:
             unproven = self.shared is not None and not self._drafted
             wanted = self._policy(optimistic, load, optimistic) if self._probe_due(unproven, load) else 0
             if wanted > 0:
-                depth = self._probe_depth(load, wanted if self._echo_streak >= ECHO_STREAK else 0)
+                echoed = self._echo_streak >= self._echo_needed
+                depth = self._probe_depth(load, wanted if echoed else 0)
                 if depth > 0:
                     self._idle_steps = 0
                     self._probed = True
+                    self._echo_probe = echoed
                     k = depth
         self.history.append(k)
         return k
@@ -1218,7 +1227,7 @@ class DepthController:
         row's pass. Alone, an n-gram probe costs a few ms, and gating it cost the first
         copying prompt after a run of open-ended ones its first steps (extract at concurrency 1
         fell from 1.06x to 0.87x the best fixed k); echoes would find it too, two steps later."""
-        if self._echo_streak >= ECHO_STREAK:
+        if self._echo_streak >= self._echo_needed:
             return True
         if self._idle_steps < self._interval and not unproven:
             return False
@@ -1304,7 +1313,10 @@ class DepthController:
 
         `echo` (a step that drafted nothing): whether the token it produced was the one that
         followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
-        of them in a row make the next k = 0 step a probe step."""
+        of them in a row make the next k = 0 step a probe step (more after echo probes that failed)."""
+        if self._echo_probe and k > 0:  # judge the echoes by their probe
+            self._echo_needed = ECHO_STREAK if num_accepted > 0 else min(2 * self._echo_needed, ECHO_STREAK_MAX)
+        self._echo_probe = False
         self._echo_streak = self._echo_streak + 1 if k == 0 and echo else 0
         if self._probed and k == 0:
             self._probed = False

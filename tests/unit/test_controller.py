@@ -9,6 +9,8 @@ import pytest
 
 from coordinator.controller import (
     CHEAP_PROBE,
+    ECHO_STREAK,
+    ECHO_STREAK_MAX,
     PROBE_EPOCH_PASSES,
     AcceptanceEstimator,
     CostModel,
@@ -826,8 +828,27 @@ def test_a_gated_session_probes_as_soon_as_its_output_echoes_its_context() -> No
     quiet = drive(echo_from=99)
     assert [t for t, k in enumerate(quiet) if k > 0] == []  # gated: the first probe too
     echoing = drive(echo_from=4)
-    # steps 4 and 5 echoed; the probe at 6 accepted nothing, and two more echoes call the next
-    assert [t for t, k in enumerate(echoing) if k > 0] == [6, 9]
+    # steps 4 and 5 echoed; the probe at 6 accepted nothing, so the next takes four echoes (7-10)
+    assert [t for t, k in enumerate(echoing) if k > 0] == [6, 11]
+
+
+def test_echo_probes_that_fail_need_longer_streaks_and_one_that_pays_resets_them() -> None:
+    """Code echoes its context (names, indentation) while its drafts fail: each failed echo probe
+    doubles the streak the next one needs, up to ECHO_STREAK_MAX; an accepted one resets it."""
+    controller = make_controller("auto", K_MAX, draft_model_cost_model(), shared_after_sessions([0.01] * 32))
+    probes = []
+    for t in range(60):
+        k = controller.choose()
+        if k > 0:
+            probes.append(t)
+        controller.observe(k, 0, 0.0, simulated_verify_ms(k + 1, 1), 1, echo=True)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 2 and gaps == [5, 9, 17, 17], probes  # a probe step, then 4, 8, 16, 16 echoes
+    assert controller._echo_needed == ECHO_STREAK_MAX
+    while (k := controller.choose()) == 0:
+        controller.observe(k, 0, 0.0, simulated_verify_ms(1, 1), 1, echo=True)
+    controller.observe(k, 1, 0.0, simulated_verify_ms(k + 1, 1), 1)
+    assert controller._echo_needed == ECHO_STREAK
 
 
 def test_probe_period_keeps_probing_within_its_budget() -> None:
