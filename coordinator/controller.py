@@ -729,11 +729,11 @@ CHEAP_PROBE = 0.25
 CAP_MIN_TRIALS = 8.0
 # k = 0 steps in a row whose token the context predicted (coordinator/echo.py) that make a probe step;
 # each echo probe of a session that accepts nothing doubles the streak its next one needs, up to
-# ECHO_STREAK_MAX (code echoes its context often, in names and indentation, and its n-gram drafts
-# still fail: at concurrency 1 echo probes had auto drafting on a fifth of its steps at 0.08
-# acceptance, 0.87x speculation off).
+# ECHO_STREAK_MAX, and any accepted draft token brings it back (code echoes its context often, in
+# names and indentation, and its n-gram drafts still fail: at concurrency 1 echo probes had auto
+# drafting on a fifth of its steps at 0.08 acceptance, 0.87x speculation off).
 ECHO_STREAK = 2
-ECHO_STREAK_MAX = 16
+ECHO_STREAK_MAX = 8
 
 
 def probe_period(plain_ms: float, probe_ms: float, budget: float | None = None, least: int | None = None) -> int:
@@ -1314,8 +1314,10 @@ class DepthController:
         `echo` (a step that drafted nothing): whether the token it produced was the one that
         followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
         of them in a row make the next k = 0 step a probe step (more after echo probes that failed)."""
-        if self._echo_probe and k > 0:  # judge the echoes by their probe
-            self._echo_needed = ECHO_STREAK if num_accepted > 0 else min(2 * self._echo_needed, ECHO_STREAK_MAX)
+        if num_accepted > 0:  # drafts go through: echoes are worth a probe again
+            self._echo_needed = ECHO_STREAK
+        elif self._echo_probe and k > 0:  # an echo probe that failed: the next one waits for more echoes
+            self._echo_needed = min(2 * self._echo_needed, ECHO_STREAK_MAX)
         self._echo_probe = False
         self._echo_streak = self._echo_streak + 1 if k == 0 and echo else 0
         if self._probed and k == 0:
