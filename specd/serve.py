@@ -9,11 +9,14 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from specd.config import CoordinatorConfig, DraftConfig, ServiceConfig, TargetConfig, format_config
 from specd.grpc_server import ServerHandle, build_server, wait_healthy
 from specd.telemetry import Telemetry, setup_telemetry
+
+if TYPE_CHECKING:  # torch loads with the model, not with this module
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ def _attach(handle: ServerHandle, telemetry: Telemetry) -> None:
     handle.telemetry = telemetry  # type: ignore[attr-defined]
 
 
-def _use_linear_kernel(service: str, model, kernel: str) -> None:
+def _use_linear_kernel(service: str, model: "nn.Module", kernel: str) -> None:
+    """The kernel of a CPU model's linear layers (specd/cpu_kernels.py), said in the service's log."""
     from specd.cpu_kernels import use_linear_kernel
 
     swapped = use_linear_kernel(model, kernel)
