@@ -24,7 +24,7 @@ from coordinator.bench_load import wait_idle
 from coordinator.loadgen import LoadGenerator, LoadSpec, summarize
 from specd.launcher import start_stack
 from specd.models import load_model
-from specd.workloads import default_prompts_path, load_prompts
+from specd.workloads import default_prompts_path, load_prompts, prompts_of_kind
 from specdec.v1 import target_pb2_grpc
 
 
@@ -42,10 +42,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32, help="cap per request, as bench-load's default")
     args = parser.parse_args()
-    prompts = [p.with_max_tokens(min(p.max_tokens, args.max_tokens))
-               for p in load_prompts(default_prompts_path()) if p.kind == args.kind]
-    if not prompts:
-        parser.error(f"no prompts of kind {args.kind!r}")
+    try:
+        prompts = prompts_of_kind(load_prompts(default_prompts_path()), args.kind, args.max_tokens)
+    except ValueError as err:
+        parser.error(str(err))
     target = load_model()
     encoded = {p.id: target.encode(p.prompt, chat=p.chat) for p in prompts}
     stack = start_stack(Path(tempfile.mkdtemp(prefix="held-cells-")), method="ngram", k="auto")

@@ -40,3 +40,12 @@ def load_prompts(path: str | Path) -> list[Prompt]:
         except (KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"{path}:{n}: not a prompt record ({exc})") from exc
     return prompts
+
+
+def prompts_of_kind(prompts: list[Prompt], kind: str, max_tokens: int) -> list[Prompt]:
+    """The prompts of one kind, each capped at `max_tokens`; ValueError naming the kinds there are
+    when there are none of it."""
+    chosen = [p.with_max_tokens(min(p.max_tokens, max_tokens)) for p in prompts if p.kind == kind]
+    if not chosen:
+        raise ValueError(f"no prompts of kind {kind!r}; the kinds are {', '.join(sorted({p.kind for p in prompts}))}")
+    return chosen
