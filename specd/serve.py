@@ -111,6 +111,7 @@ def _load_head(cfg: DraftConfig):
     path = cfg.head or default_head_dir(cfg.target_model)
     target = load_model(cfg.target_model, device="cpu")
     head = load_head_for(target, path)
+    _use_linear_kernel("draft head", head.modules(), cfg.linear_kernel)
     print(f"specd draft head: {path} (draft vocabulary {head.draft_vocab.numel()}, trained for "
           f"{head.meta.get('target_model')})", file=sys.stderr, flush=True)
     return head, target.max_context

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from safetensors.torch import load_file, save_file
 
 from draft_service.head.model import DraftHead, HeadConfig
@@ -26,13 +27,17 @@ FORMAT = "specd-draft-head/1"
 class LoadedHead:
     head: DraftHead
     embed: torch.Tensor  # [vocab, hidden] the target's input embedding
-    lm_head: torch.Tensor  # [draft_vocab, hidden] the target's LM head rows of the draft vocabulary
+    lm_head: nn.Linear  # hidden -> draft_vocab: the target's LM head rows of the draft vocabulary
     draft_vocab: torch.Tensor  # [draft_vocab] long: target token id of each LM-head row
     meta: dict[str, Any]
 
     @property
     def vocab_size(self) -> int:
         return self.head.config.vocab_size
+
+    def modules(self) -> nn.Module:
+        """The head's layers and its LM head, as one module (e.g. for `use_linear_kernel`)."""
+        return nn.ModuleList([self.head, self.lm_head])
 
 
 SHIPPED = {"smollm2": Path(__file__).parent / "smollm2"}  # heads that ship with specd, by target spec
@@ -102,5 +107,6 @@ def bind_head(head: DraftHead, target_model: Any, draft_vocab: torch.Tensor, met
         raise ValueError(f"{where} expects a target of vocabulary {config.vocab_size} and width {config.hidden_size}; "
                          f"this target's embedding is {tuple(embed.shape)}")
     head.eval()
-    return LoadedHead(head=head, embed=embed.float(), lm_head=lm_weight[draft_vocab].float().contiguous(),
-                      draft_vocab=draft_vocab.long(), meta=meta or {})
+    lm_head = nn.Linear(config.hidden_size, int(draft_vocab.numel()), bias=False)
+    lm_head.weight = nn.Parameter(lm_weight[draft_vocab].float().contiguous(), requires_grad=False)
+    return LoadedHead(head=head, embed=embed.float(), lm_head=lm_head, draft_vocab=draft_vocab.long(), meta=meta or {})

@@ -102,7 +102,7 @@ class HeadSession:
         return Proposal(drafts, torch.cat(rows) if rows else None)
 
     def _choose(self, feature: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        logits = feature @ self.loaded.lm_head.T  # [1, draft vocab]
+        logits = self.loaded.lm_head(feature)  # [1, draft vocab]
         vocab = self.loaded.draft_vocab
         p = self.params
         if p.is_greedy:

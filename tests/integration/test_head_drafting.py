@@ -14,6 +14,7 @@ from draft_service.head.checkpoint import default_head_dir, load_head
 from draft_service.proposers import make_proposer
 from draft_service.proposers.base import Proposal
 from specd.config import CoordinatorConfig, DraftConfig, TargetConfig
+from specd.cpu_kernels import OneDnnLinear
 from specd.features import features_to_proto
 from specd.grpc_server import make_channel
 from specd.models import load_model, save_tiny_random_model
@@ -93,7 +94,9 @@ def head_stack(target):
 
 
 def test_distributed_head_equals_target_only_and_drafts_from_features(head_stack, references, workload_prompts):
-    _, _, coordinator = head_stack
+    _, draft, coordinator = head_stack
+    # the served head's layers run on oneDNN (the default kernel), and its drafts still pass exactly
+    assert type(draft.servicer.head.lm_head) is OneDnnLinear and type(draft.servicer.head.head.fc) is OneDnnLinear
     accepted = 0
     with CoordinatorClient(f"127.0.0.1:{coordinator.port}") as client:
         for p in workload_prompts[:4]:

@@ -8,6 +8,7 @@ import torch
 from draft_service.head.checkpoint import bind_head, load_head, save_head
 from draft_service.head.model import DraftHead, HeadConfig, KVCache, apply_rotary, rotary_tables
 from draft_service.proposers.head import HeadSession
+from specd.cpu_kernels import OneDnnLinear, use_linear_kernel
 from specd.models import load_model, save_tiny_random_model
 from specd.sampling import SamplingParams
 from specd.train_draft.train_head import estimated_acceptance_length
@@ -59,6 +60,23 @@ def test_session_drafts_from_features_and_keeps_only_true_pairs(tiny):
     assert session.propose(3).tokens == proposal.tokens  # deterministic for greedy
     ahead = session.propose_ahead(proposal.tokens, 2)  # tokens without features: the head's own features carry them
     assert len(ahead.tokens) == 2 and session.cache.length == 4
+
+
+def test_onednn_layers_draft_what_torchs_do(tiny):
+    loaded = bind_head(make_head(tiny), tiny.model, torch.arange(30))
+    features = torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
+
+    def drafts() -> list[int]:
+        session = HeadSession(loaded, max_context=64, prompt_ids=[1, 2, 3, 4, 5, 6], params=SamplingParams())
+        session.add_features(0, features)
+        session.append([7])
+        return session.propose(4).tokens
+
+    on_aten = drafts()
+    assert use_linear_kernel(loaded.modules(), "onednn") == 9  # fc, q, k, v, o, gate, up, down and the LM head
+    assert type(loaded.lm_head) is OneDnnLinear
+    assert drafts() == on_aten
+    use_linear_kernel(loaded.modules(), "aten")
 
 
 def test_sampled_drafts_send_q_over_the_whole_vocabulary(tiny):
