@@ -19,6 +19,8 @@ import timeit
 
 import torch
 
+from specd.config import LINEAR_KERNELS
+from specd.cpu_kernels import use_linear_kernel
 from specd.models import load_model
 from target_service.batch_forward import BatchedForward, RowInput
 
@@ -62,8 +64,11 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=300, help="cached tokens per row")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--prefill", default="200,600", help="comma list of prompt lengths for the prefill timing")
+    parser.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="onednn",
+                        help="kernel of the linear layers, as the target service's flag (default onednn)")
     args = parser.parse_args()
     model = load_model()
+    use_linear_kernel(model.model, args.linear_kernel)
     packed = BatchedForward(model, packed=True)
     padded = BatchedForward(model, packed=False)
     padded.pool = packed.pool  # one pool: both read the same cached rows

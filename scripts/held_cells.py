@@ -1,12 +1,17 @@
 """Held cells: one stack, depth configurations back to back at one concurrency, several repetitions.
 
-    python scripts/held_cells.py KIND CONCURRENCY CONFIGS [--seconds 15] [--reps 3]
+    python scripts/held_cells.py KIND CONCURRENCY CONFIGS [--seconds 15 | --requests N] [--reps 3]
 
 CONFIGS is a comma list of depths ("0" is speculation off, "auto" the controller, a number a fixed
 k), e.g. `python scripts/held_cells.py extract 16 0,2,auto`. Per cell it prints tokens/s, the k
 chosen per step, drafted and accepted tokens, tokens per step, the p50 time to first token and
 the CPU use of each service. `specd bench-load` runs every kind and level once per run; this
 repeats a few cells on one stack, where the swing between runs would hide a few percent.
+
+With `--requests N` a cell is fixed work instead of a timed window: N requests (the kind's
+prompts in turn) through CONCURRENCY client threads, tokens/s their tokens over the wall time.
+Greedy outputs are the same in every configuration, so every cell does the same work, and which
+phase of the sessions' prefill waves a window happens to catch no longer moves the figure.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def main() -> None:
     parser.add_argument("concurrency", type=int)
     parser.add_argument("configs", help="comma list: 0 (off), auto, or a fixed k")
     parser.add_argument("--seconds", type=float, default=15.0, help="window per cell (default 15)")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="fixed-work cells: this many requests per cell instead of a --seconds window")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32, help="cap per request, as bench-load's default")
     args = parser.parse_args()
@@ -58,11 +65,16 @@ def main() -> None:
             for depth in args.configs.split(","):
                 spec = LoadSpec("ngram" if depth != "0" else "none", depth, max_tokens=args.max_tokens)
                 before, start = {n: cpu_seconds(p) for n, p in services.items()}, time.time()
-                records, window = gen.closed_loop_for(args.concurrency, args.seconds, spec, 0.2)
+                if args.requests:
+                    records, wall = gen.closed_loop(args.concurrency, args.requests, spec)
+                    window = None
+                else:
+                    records, window = gen.closed_loop_for(args.concurrency, args.seconds, spec, 0.2)
+                    wall = window[1]
                 elapsed = time.time() - start
                 cpu = {n: round(100 * (cpu_seconds(p) - before[n]) / elapsed) for n, p in services.items()}
                 wait_idle(stub)
-                s = summarize(records, window[1], window=window)
+                s = summarize(records, wall, window=window)
                 ks = sorted(Counter(k for r in records for k in r.k_per_step).items())
                 drafted = sum(r.num_draft_tokens for r in records)
                 accepted = sum(r.num_accepted_tokens for r in records)
