@@ -610,7 +610,12 @@ class CostModel:
         fitted slope of the nearest batch size with two or more block lengths observed, scaled by
         the prior's slope ratio (the rows). Better than the prior's own slope, whose ratio to the
         pass cost is a guess about the hardware: on this project's CPU machines it overstated the
-        cost of long blocks at batch 16 by 2-3x, which kept speculation off where it paid."""
+        cost of long blocks at batch 16 by 2-3x, which kept speculation off where it paid.
+        A replica that packs its passes prices positions, not rows: `_pooled_position_ms`."""
+        if self.packed:
+            pooled = self._pooled_position_ms(b)
+            if pooled is not None:
+                return pooled * b
         settled = {s: [(1.0 + e / s, c.mean, c.weight(self.window)) for e, c in cells.items() if c.count >= SETTLED]
                    for s, cells in self._verify.items() if s != b}
         measured = [(abs(s - b), s) for s, points in settled.items() if len(points) >= 2]
@@ -622,6 +627,31 @@ class CostModel:
             return None
         pm_near, pm_b = self._prior_line(near)[1], self._prior_line(b)[1]
         return fit[1] * pm_b / pm_near if pm_near > 0 else fit[1]
+
+    def _pooled_position_ms(self, b: int) -> float | None:
+        """What one draft position adds to a packed pass, pooled over the other batch sizes: their
+        passes' time beyond their plain pass, over the positions that brought it (settled cells
+        with a settled plain cell beside them).
+
+        In a packed pass a position costs about the same whatever the rows around it (on the
+        2-core CPU, oneDNN kernels: 2-4 ms at 4 and at 16 rows), so a slope scaled by rows from one
+        small batch size, two noisy cells apart, is the wrong prior there: one such slope priced
+        a position at 13 ms at 16 rows, and a burst of 16 code edits (acceptance 0.8) stayed at
+        k = 0 to the end of its requests. Pooled, the jump to a packed pass counts in (a little
+        dear, on the safe side), and one noisy cell moves it little."""
+        extra_ms = positions = 0.0
+        for s, cells in self._verify.items():
+            plain = cells.get(0)
+            if s == b or plain is None or plain.count < SETTLED:
+                continue
+            for e, c in cells.items():
+                if e > 0 and c.count >= SETTLED:
+                    w = c.weight(self.window)
+                    extra_ms += w * (c.mean - plain.mean)
+                    positions += w * e
+        if positions <= 0 or extra_ms <= 0:
+            return None
+        return extra_ms / positions
 
     def _line(self, b: int) -> tuple[float, float]:
         """(cost at block length 1, cost per extra position) at batch size b."""

@@ -977,6 +977,25 @@ def test_packed_observations_teach_the_cost_of_one_position() -> None:
     assert (16, 2, 16, pytest.approx(140.0), 18) in rows  # (batch, positions per row rounded up, count, ms, positions)
 
 
+def test_a_packed_replica_prices_positions_at_an_unseen_batch_size_pooled_over_the_others() -> None:
+    """At 16 rows only plain passes were seen. The nearest batch size with blocks (12) saw two
+    short, slow ones (13 ms a position); batch 4 saw long blocks at 2.5 ms a position. A packed
+    pass prices positions, not rows: the estimate at 16 is the extra time over the plain pass per
+    position, pooled, not 12's two-cell slope scaled up (which kept a burst of code edits off)."""
+    cm = CostModel()
+    for _ in range(8):
+        cm.observe_verify(16, 1, 120.0, positions=16, packed=True)
+        for b, plain, blocks in ((12, 100.0, {1: 113.0, 2: 126.0}), (4, 70.0, {8: 90.0, 16: 110.0})):
+            cm.observe_verify(b, 1, plain, positions=b, packed=True)
+            for extra, ms in blocks.items():
+                cm.observe_verify(b, 2, ms, positions=b + extra, packed=True)
+    pooled = (13.0 + 26.0 + 20.0 + 40.0) / (1 + 2 + 8 + 16)
+    assert cm.position_ms(16) == pytest.approx(pooled, rel=0.05)
+    load = LoadSignal(0, 16)
+    copiers = controllers_on_one_replica([0.8] * 16, cm)
+    assert all(s.target(load) > 0 for s in copiers)
+
+
 def test_seeding_merges_cells_by_the_positions_they_computed() -> None:
     cm = CostModel()
     cm.seed_from_stats([SimpleNamespace(batch_size=4, block_length=3, count=2, mean_ms=50.0, positions=6),
