@@ -45,6 +45,11 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-seconds", type=float, default=12.0,
                    help="steady window at the highest concurrency, after its opening prefills; lower "
                         "concurrency c gets window_seconds * c / highest, at least 5 s (default 12)")
+    p.add_argument("--cell-requests", type=int, default=0,
+                   help="fixed-work cells instead of timed windows: at the highest concurrency this many requests "
+                        "(in proportion below it, at least one per client), tokens/s over their wall time; greedy "
+                        "outputs are the same in every configuration, so every cell does the same work (default 0: "
+                        "windows)")
     p.add_argument("--stagger-seconds", type=float, default=0.2,
                    help="at concurrency >= 2, client i sends its first request i times this late, so that "
                         "requests do not run in step (default 0.2)")
@@ -113,7 +118,8 @@ def run_bench_load(args: argparse.Namespace) -> int:
                     for name, depth in cell_order(configs, run):
                         spec = LoadSpec(args.method if depth != "0" else "none", depth, max_tokens=args.max_tokens)
                         s = _cell(gens[kind], conc, spec, cell_window(args.window_seconds, conc, max(levels)),
-                                  args.stagger_seconds, target_stub)
+                                  args.stagger_seconds, target_stub,
+                                  cell_requests(args.cell_requests, conc, max(levels)))
                         errors += s["errors"]
                         tps[kind][conc][name].append(s["tokens_per_s"])
                         p50[kind][conc][name].append(s["itl_ms_p50"] or 0.0)
@@ -169,15 +175,28 @@ def cell_window(seconds: float, concurrency: int, highest: int) -> float:
     return max(5.0, seconds * concurrency / max(highest, 1))
 
 
+def cell_requests(requests: int, concurrency: int, highest: int) -> int:
+    """The requests of a fixed-work cell: `requests` at the highest concurrency, in proportion
+    below it, at least one per client (0: timed windows)."""
+    if requests <= 0:
+        return 0
+    return max(concurrency, round(requests * concurrency / max(highest, 1)))
+
+
 def _cell(gen: LoadGenerator, concurrency: int, spec: LoadSpec, seconds: float, stagger: float,
-          target_stub) -> dict:
+          target_stub, requests: int = 0) -> dict:
     """One cell's summary. Concurrency 1: every prompt of the kind once, one after another.
     Higher: a closed loop held at that concurrency (`LoadGenerator.closed_loop_for`), tokens/s
     over a steady window of `seconds` after the opening prefills; then the target is let to
     close the cut requests' sessions before the next cell starts, so that their last steps do
-    not run inside it."""
+    not run inside it. With `requests`: that many requests through the closed loop instead,
+    tokens/s over the wall time (fixed work: no window can catch more or fewer of the sessions'
+    prefill waves, which moved cells at 16 sessions by 10-25 %)."""
     if concurrency == 1:
         records, wall = gen.closed_loop(1, len(gen.prompts), spec)
+        return summarize(records, wall)
+    if requests > 0:
+        records, wall = gen.closed_loop(concurrency, requests, spec)
         return summarize(records, wall)
     records, window = gen.closed_loop_for(concurrency, seconds, spec, stagger)
     wait_idle(target_stub)
@@ -243,17 +262,22 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
         "checks": checks, "ramp": ramp, "errors": errors,
         "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "method": args.method,
                      "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline,
-                     "window_seconds": args.window_seconds, "stagger_seconds": args.stagger_seconds},
+                     "window_seconds": args.window_seconds, "stagger_seconds": args.stagger_seconds,
+                     "cell_requests": args.cell_requests},
     }
 
 
 def render(report: dict) -> str:
     s = report["settings"]
+    if s.get("cell_requests"):
+        higher = (f"{s['cell_requests']} requests through the closed loop at the highest concurrency (in "
+                  "proportion below, at least one per client), tokens/s over their wall time")
+    else:
+        higher = (f"held at that concurrency, tokens/s over a window after the opening prefills "
+                  f"({s.get('window_seconds', 0):g} s at the highest concurrency, in proportion below, at least "
+                  f"5 s; clients started {s.get('stagger_seconds', 0):g} s apart)")
     lines = [f"Closed loop, method {s['method']}, max_tokens {s['max_tokens']}, pipeline {s['pipeline']}, "
-             f"medians of {s['runs']} run(s); concurrency 1: every prompt once, in turn; higher: "
-             f"held at that concurrency, tokens/s over a window after the opening prefills "
-             f"({s.get('window_seconds', 0):g} s at the highest concurrency, in proportion below, at least 5 s; "
-             f"clients started {s.get('stagger_seconds', 0):g} s apart). "
+             f"medians of {s['runs']} run(s); concurrency 1: every prompt once, in turn; higher: {higher}. "
              "Tokens/s (p50 inter-token latency, ms):", ""]
     configs = list(next(iter(next(iter(report["tokens_per_s"].values())).values())))
     lines.append("| kind | c | " + " | ".join(configs) + " | auto mean k |")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.bench_load import best_fixed, cell_order, cell_window
+from coordinator.bench_load import best_fixed, cell_order, cell_requests, cell_window
 from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
 
@@ -86,6 +86,12 @@ def test_window_counts_the_tokens_that_arrived_in_it_cut_requests_included() -> 
 def test_a_request_that_ended_without_a_result_and_was_not_cut_is_an_error() -> None:
     silent = RequestRecord("p", "kind", 0.0, first_token=0.1, chunk_times=[0.1], chunk_tokens=[1])
     assert summarize([silent], wall_s=1.0)["errors"] == 1
+
+
+def test_fixed_work_cells_scale_their_requests_with_concurrency_at_least_one_per_client() -> None:
+    assert [cell_requests(48, c, 16) for c in (2, 4, 8, 16)] == [6, 12, 24, 48]
+    assert cell_requests(8, 4, 16) == 4  # never fewer requests than clients
+    assert cell_requests(0, 16, 16) == 0  # 0: timed windows
 
 
 def test_cell_windows_grow_with_concurrency_from_five_seconds() -> None:
