@@ -1137,21 +1137,29 @@ class DepthController:
         penalty = load_penalty(load)
         plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
         return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max, self.fill.mean, profile,
-                            jump_ms=self._jump_share(b, plain, position) * penalty)
+                            jump_ms=self._jump_share(b, plain, position, optimistic) * penalty)
 
-    def _jump_share(self, b: int, plain_ms: float, position_ms: float) -> float:
+    def _jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None = None) -> float:
         """This session's share of `CostModel.packed_jump_ms`: none when a peer drafts (the pass
         is packed anyway); else the jump split over the sessions whose first draft position pays
         on its own, acceptance x fill x plain_ms / b > position_ms, this one included. The pass
         pays the jump once for all of them: charged whole to each, no session of a batch would
-        start however many would gain."""
+        start however many would gain.
+
+        With `optimistic` (a what-if: would a probe pay?) peers that have not drafted yet count at
+        least at it, as in `pass_sessions`: they are as unproven as this session. Without that, a
+        burst of 16 code edits after chat prompts (every session seeded at the method's 0.42)
+        charged each echoing session the whole jump, 64 ms x 16 rows, no probe could pay, and
+        the burst ran at k = 0 to the end at 0.8x fixed k = 4. The jump is fitted on passes where
+        every row brought a block, so it holds each such row's own attention calls too: split
+        over the batch, it is about what one row's block adds."""
         jump = self.cost_model.packed_jump_ms(b)
         if jump <= 0 or self.peers is None:
             return jump
         if self.peers.deepest(self._peer) > 0:
             return 0.0
         pays = position_ms * b / plain_ms if plain_ms > 0 else 1.0
-        sharing = 1 + sum(1 for a, fill in self.peers.others_with_fills(self._peer) if a * fill > pays)
+        sharing = 1 + sum(1 for a, fill in self.peers.others_with_fills(self._peer, optimistic) if a * fill > pays)
         return jump / sharing
 
     def _policy(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> int:

@@ -1055,6 +1055,34 @@ def test_a_packed_batch_probes_without_waiting_for_a_probe_pass() -> None:
     assert copier.choose(load) >= copier.probe_k
 
 
+def test_an_echoing_session_probes_though_no_peer_has_drafted_yet() -> None:
+    """A burst of sixteen new sessions, none drafted yet, at the method's modest 0.42, and a jump
+    to a packed pass of 60 ms (fitted on passes where every row brought a block). The peers are
+    as unproven as the echoing session: in the probe's what-if they count at the probe rate and
+    share the jump, so the session probes instead of waiting for a peer that waits too."""
+    cm = CostModel()
+    for _ in range(16):
+        for extra in (0, 16, 32, 64):
+            cm.observe_verify(16, 2, 110.0 + (60.0 if extra else 0.0) + 2.3 * extra, positions=16 + extra,
+                              packed=True)
+    load = LoadSignal(0, 16)
+    shared = SharedAcceptance()
+    for _ in range(64):
+        shared.update_fill(0.4)  # the method's last prompts (chat) found a draft for 40 % of the asked tokens
+    peers = PassPeers()
+    sessions = [DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.42, prior_weight=1000.0),
+                                shared=shared, peers=peers) for _ in range(16)]
+    copier = sessions[0]
+    assert copier.choose(load) > 0  # its first step probes (unproven, `_probe_due`), and misses
+    copier.observe(copier.history[-1], 0, 0.5, 0.0, 16, pass_positions=16 + copier.history[-1], packed=True,
+                   compute_ms=110.0 + 60.0 + 2.3 * copier.history[-1])
+    assert copier.choose(load) == 0  # now only echoes call its next probe
+    for _ in range(2):
+        copier.observe(0, 0, 0.0, 110.0, 16, pass_positions=16, packed=True, echo=True)
+    assert copier.choose(load) >= 1
+    assert sessions[1].target(load) == 0  # the policy itself still charges a lone drafter the whole jump
+
+
 def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts() -> None:
     """On a CPU a pass of 16 rows costs more as soon as any row brings a block (18 rows run slower
     per row than 16, longer blocks add attention calls): 20 ms here, on top of 5 ms a position.
