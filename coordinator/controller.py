@@ -948,9 +948,10 @@ class PassPeers:
         return [a for a, _ in self.others_with_fills(handle, optimistic)]
 
     def others_with_fills(self, handle: int, optimistic: float | None = None) -> list[tuple[float, float]]:
-        """(acceptance, fill) of every session but `handle`, as `others`."""
+        """(acceptance, fill) of every session but `handle`, as `others`; with `optimistic`, an
+        unproven session counts as filling its blocks too (it has not asked for one yet)."""
         with self._lock:
-            return [(max(a, optimistic) if optimistic is not None and not proven else a, fill)
+            return [(max(a, optimistic), 1.0) if optimistic is not None and not proven else (a, fill)
                     for h, (a, proven, fill) in self._sessions.items() if h != handle]
 
     def __len__(self) -> int:
@@ -1101,19 +1102,20 @@ class DepthController:
             return max(self.batch_size, len(self.peers))
         return load.batch_size if load is not None else self.batch_size
 
-    def _rates(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> tuple[list[float], int]:
+    def _rates(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None,
+               fill: float | None = None) -> tuple[list[float], int]:
         """Expected tokens/ms per depth, and the pass's rows they assume; with `optimistic`,
         unproven peers count at least at it. Without it (the session's own estimate, not a what-if
         rate) this session's positions count at their own rates (`pass_rates`'s profile)."""
         b = self._batch(load)
         if self._packed(b):
-            return self._packed_rates(alpha, load, b, optimistic), b
+            return self._packed_rates(alpha, load, b, optimistic, fill), b
         if self.peers is not None:
-            own = (alpha, self.fill.mean)
+            own = (alpha, self.fill.mean if fill is None else fill)
             alphas, fills = pass_sessions(own, self.peers.others_with_fills(self._peer, optimistic), b)
             b = len(alphas)  # pass_sessions fills up to b, known peers beyond it count
         else:
-            alphas, fills = [alpha], [self.fill.mean]
+            alphas, fills = [alpha], [self.fill.mean if fill is None else fill]
         penalty = load_penalty(load)
         cm = self.cost_model
         base = cm.verify_ms(1, b)
@@ -1129,14 +1131,16 @@ class DepthController:
         its own positions only, and it chooses its depth for itself (`packed_rates`)."""
         return batch_size > 1 and self.cost_model.packed
 
-    def _packed_rates(self, alpha: float, load: LoadSignal | None, b: int, optimistic: float | None) -> list[float]:
+    def _packed_rates(self, alpha: float, load: LoadSignal | None, b: int, optimistic: float | None,
+                      fill: float | None = None) -> list[float]:
         """`packed_rates` for this session: its own per-position rates unless this is a what-if
         (`optimistic`)."""
         cm = self.cost_model
         profile = self.estimator.profile(self.k_max) if optimistic is None else None
         penalty = load_penalty(load)
         plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
-        return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max, self.fill.mean, profile,
+        return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max,
+                            self.fill.mean if fill is None else fill, profile,
                             jump_ms=self._jump_share(b, plain, position, optimistic) * penalty)
 
     def _jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None = None) -> float:
@@ -1162,8 +1166,10 @@ class DepthController:
         sharing = 1 + sum(1 for a, fill in self.peers.others_with_fills(self._peer, optimistic) if a * fill > pays)
         return jump / sharing
 
-    def _policy(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None) -> int:
-        """The mode's choice for acceptance `alpha`, ignoring the floor."""
+    def _policy(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None,
+                fill: float | None = None) -> int:
+        """The mode's choice for acceptance `alpha`, ignoring the floor; `fill` in place of the
+        session's own (a what-if)."""
         if self.k_max == 0:
             return 0
         if self.mode == "fixed":
@@ -1172,7 +1178,7 @@ class DepthController:
             b = self._batch(load)
             keys = [key for key in self.schedule if key <= b]
             return self.schedule[keys[-1] if keys else next(iter(self.schedule))]
-        rates, b = self._rates(alpha, load, optimistic)
+        rates, b = self._rates(alpha, load, optimistic, fill)
         return _argbest(rates, batch_margin(self.margin, b))
 
     def target(self, load: LoadSignal | None = None) -> int:
@@ -1216,9 +1222,13 @@ class DepthController:
             # again soon after, as long as some recent prompt of this method was worth it. The
             # recent sessions are only consulted on a step that could probe.
             unproven = self.shared is not None and not self._drafted
-            wanted = self._policy(optimistic, load, optimistic) if self._probe_due(unproven, load) else 0
+            # Echoes say the context holds the continuation: the proposer's lookup would find it and
+            # fill its block, whatever the method's last prompts filled (a code edit after code
+            # prompts, fill 0.2 from them, echoing 24 steps in a row, priced its probe at a fifth).
+            echoed = self._echo_streak >= self._echo_needed
+            due = self._probe_due(unproven, load)
+            wanted = self._policy(optimistic, load, optimistic, 1.0 if echoed else None) if due else 0
             if wanted > 0:
-                echoed = self._echo_streak >= self._echo_needed
                 depth = self._probe_depth(load, wanted if echoed else 0)
                 if depth > 0:
                     self._idle_steps = 0

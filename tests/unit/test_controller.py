@@ -1055,6 +1055,28 @@ def test_a_packed_batch_probes_without_waiting_for_a_probe_pass() -> None:
     assert copier.choose(load) >= copier.probe_k
 
 
+def test_an_echoing_session_probes_whatever_the_methods_last_prompts_filled() -> None:
+    """The n-gram method's last prompts (code) found a draft for a fifth of the asked tokens. A
+    session whose output echoes its context will find its block there: its probe is priced as
+    filled, and it probes at 16 rows where a fifth of a block would not pay."""
+    cm = packed_cost_model()
+    load = LoadSignal(0, 16)
+    shared = SharedAcceptance()
+    for _ in range(64):
+        shared.update_fill(0.2)
+    peers = PassPeers()
+    sessions = [DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.55, prior_weight=1000.0),
+                                shared=shared, peers=peers) for _ in range(16)]
+    copier = sessions[0]
+    for _ in range(12):  # past its first probes: idle, as the burst's sessions were
+        k = copier.choose(load)
+        copier.observe(k, 0, 0.5, 0.0, 16, pass_positions=16 + k, packed=True, compute_ms=130.0 + 5.0 * k)
+    assert copier.choose(load) == 0
+    for _ in range(ECHO_STREAK):
+        copier.observe(0, 0, 0.0, 0.0, 16, pass_positions=16, packed=True, compute_ms=130.0, echo=True)
+    assert copier.choose(load) >= 1
+
+
 def test_an_echoing_session_probes_though_no_peer_has_drafted_yet() -> None:
     """A burst of sixteen new sessions, none drafted yet, at the method's modest 0.42, and a jump
     to a packed pass of 60 ms (fitted on passes where every row brought a block). The peers are
