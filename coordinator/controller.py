@@ -1108,14 +1108,15 @@ class DepthController:
         unproven peers count at least at it. Without it (the session's own estimate, not a what-if
         rate) this session's positions count at their own rates (`pass_rates`'s profile)."""
         b = self._batch(load)
+        fill = self.fill.mean if fill is None else fill
         if self._packed(b):
             return self._packed_rates(alpha, load, b, optimistic, fill), b
         if self.peers is not None:
-            own = (alpha, self.fill.mean if fill is None else fill)
+            own = (alpha, fill)
             alphas, fills = pass_sessions(own, self.peers.others_with_fills(self._peer, optimistic), b)
             b = len(alphas)  # pass_sessions fills up to b, known peers beyond it count
         else:
-            alphas, fills = [alpha], [self.fill.mean if fill is None else fill]
+            alphas, fills = [alpha], [fill]
         penalty = load_penalty(load)
         cm = self.cost_model
         base = cm.verify_ms(1, b)
@@ -1132,15 +1133,14 @@ class DepthController:
         return batch_size > 1 and self.cost_model.packed
 
     def _packed_rates(self, alpha: float, load: LoadSignal | None, b: int, optimistic: float | None,
-                      fill: float | None = None) -> list[float]:
-        """`packed_rates` for this session: its own per-position rates unless this is a what-if
-        (`optimistic`)."""
+                      fill: float) -> list[float]:
+        """`packed_rates` for this session at `fill`: its own per-position rates unless this is a
+        what-if (`optimistic`)."""
         cm = self.cost_model
         profile = self.estimator.profile(self.k_max) if optimistic is None else None
         penalty = load_penalty(load)
         plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
-        return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max,
-                            self.fill.mean if fill is None else fill, profile,
+        return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max, fill, profile,
                             jump_ms=self._jump_share(b, plain, position, optimistic) * penalty)
 
     def _jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None = None) -> float:
