@@ -48,6 +48,8 @@ def main() -> None:
                         help="fixed-work cells: this many requests per cell instead of a --seconds window")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32, help="cap per request, as bench-load's default")
+    parser.add_argument("--show-steps", action="store_true",
+                        help="also print each request's k per step and accepted tokens, in finishing order")
     args = parser.parse_args()
     try:
         prompts = prompts_of_kind(load_prompts(default_prompts_path()), args.kind, args.max_tokens)
@@ -85,6 +87,10 @@ def main() -> None:
                 print(f"    drafted {drafted}, accepted {accepted} ({accepted / max(drafted, 1):.2f}), tokens/step "
                       f"{sum(r.tokens for r in records) / max(steps, 1):.2f}, ttft p50 "
                       f"{ttft[len(ttft) // 2] * 1000 if ttft else float('nan'):.0f} ms, CPU % {cpu}", flush=True)
+                if args.show_steps:
+                    for r in sorted(records, key=lambda r: r.done or r.sent):
+                        print(f"      {r.prompt_id}: accepted {r.num_accepted_tokens}/{r.num_draft_tokens}, "
+                              f"k per step {r.k_per_step}", flush=True)
         gen.close()
     finally:
         stack.stop()
