@@ -48,8 +48,9 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cell-requests", type=int, default=0,
                    help="fixed-work cells instead of timed windows: at the highest concurrency this many requests "
                         "(in proportion below it, at least one per client), tokens/s over their wall time; greedy "
-                        "outputs are the same in every configuration, so every cell does the same work (default 0: "
-                        "windows)")
+                        "outputs are the same in every configuration, so every cell does the same work; at concurrency "
+                        ">= 2 each cell runs as two halves, the level's configurations in order, then in reverse, so "
+                        "that a drift over the level's minutes falls on all alike (default 0: windows)")
     p.add_argument("--stagger-seconds", type=float, default=0.2,
                    help="at concurrency >= 2, client i sends its first request i times this late, so that "
                         "requests do not run in step (default 0.2)")
@@ -115,11 +116,24 @@ def run_bench_load(args: argparse.Namespace) -> int:
                 hf_tps[kind].append(tokens / (time.perf_counter() - start))
                 for conc in levels:
                     line = {}
-                    for name, depth in cell_order(configs, run):
-                        spec = LoadSpec(args.method if depth != "0" else "none", depth, max_tokens=args.max_tokens)
-                        s = _cell(gens[kind], conc, spec, cell_window(args.window_seconds, conc, max(levels)),
-                                  args.stagger_seconds, target_stub,
-                                  cell_requests(args.cell_requests, conc, max(levels)))
+                    requests = cell_requests(args.cell_requests, conc, max(levels))
+                    halves = half_requests(requests, conc) if conc > 1 and requests else None
+                    parts: dict[str, list] = defaultdict(list)
+                    order = cell_order(configs, run)
+                    if halves is not None:  # fixed work in two halves, the second in reverse order
+                        for (name, depth), n in mirrored(order, halves):
+                            spec = LoadSpec(args.method if depth != "0" else "none", depth,
+                                            max_tokens=args.max_tokens)
+                            parts[name].append(gens[kind].closed_loop(conc, n, spec))
+                    for name, depth in order:
+                        if halves is not None:
+                            s = summarize([r for records, _ in parts[name] for r in records],
+                                          sum(wall for _, wall in parts[name]))
+                        else:
+                            spec = LoadSpec(args.method if depth != "0" else "none", depth,
+                                            max_tokens=args.max_tokens)
+                            s = _cell(gens[kind], conc, spec, cell_window(args.window_seconds, conc, max(levels)),
+                                      args.stagger_seconds, target_stub, requests)
                         errors += s["errors"]
                         tps[kind][conc][name].append(s["tokens_per_s"])
                         p50[kind][conc][name].append(s["itl_ms_p50"] or 0.0)
@@ -181,6 +195,24 @@ def cell_requests(requests: int, concurrency: int, highest: int) -> int:
     if requests <= 0:
         return 0
     return max(concurrency, round(requests * concurrency / max(highest, 1)))
+
+
+def half_requests(requests: int, concurrency: int) -> tuple[int, int]:
+    """A fixed-work cell's requests in two halves, each at least one per client."""
+    first = max(concurrency, requests // 2)
+    return first, max(concurrency, requests - first)
+
+
+def mirrored(order: list[tuple[str, str]], halves: tuple[int, int]) -> list[tuple[tuple[str, str], int]]:
+    """The runs of a level's fixed-work cells: every configuration's first half in `order`, then
+    every second half in reverse (A B C C B A), each with its request count.
+
+    Cells one after another are not alike: held cells of speculation off at 16 sessions on one
+    stack read 128.6, 116.6, 119.0 and 110.8 tok/s in one sequence with other cells between them
+    (the first cell of a level fastest), and in the first run of the bench speculation off always
+    runs first and auto last. Mirrored, a drift that is linear over the level's minutes costs
+    every configuration the same."""
+    return [(config, halves[0]) for config in order] + [(config, halves[1]) for config in reversed(order)]
 
 
 def _cell(gen: LoadGenerator, concurrency: int, spec: LoadSpec, seconds: float, stagger: float,

@@ -48,6 +48,9 @@ def main() -> None:
                         help="fixed-work cells: this many requests per cell instead of a --seconds window")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32, help="cap per request, as bench-load's default")
+    parser.add_argument("--after", default="",
+                        help="comma list of kinds to run first, unmeasured (each config once, as the cells): "
+                             "the state a kind meets in `specd bench-load`, which runs the kinds in turn")
     parser.add_argument("--show-steps", action="store_true",
                         help="also print each request's k per step and accepted tokens, in finishing order")
     args = parser.parse_args()
@@ -63,6 +66,16 @@ def main() -> None:
     try:
         gen = LoadGenerator(stack.coordinator.address, prompts, encode=lambda p: encoded[p.id])
         gen.closed_loop(args.concurrency, args.concurrency, LoadSpec("ngram", "auto", max_tokens=8))  # warm-up
+        for kind in filter(None, args.after.split(",")):
+            before = prompts_of_kind(load_prompts(default_prompts_path()), kind, args.max_tokens)
+            ids = {p.id: target.encode(p.prompt, chat=p.chat) for p in before}
+            prelude = LoadGenerator(stack.coordinator.address, before, encode=lambda p: ids[p.id])
+            for depth in args.configs.split(","):
+                spec = LoadSpec("ngram" if depth != "0" else "none", depth, max_tokens=args.max_tokens)
+                prelude.closed_loop(args.concurrency, args.requests or 2 * args.concurrency, spec)
+                wait_idle(stub)
+            prelude.close()
+            print(f"ran {kind} first ({args.configs}), unmeasured", flush=True)
         for rep in range(args.reps):
             for depth in args.configs.split(","):
                 spec = LoadSpec("ngram" if depth != "0" else "none", depth, max_tokens=args.max_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.bench_load import best_fixed, cell_order, cell_requests, cell_window
+from coordinator.bench_load import best_fixed, cell_order, cell_requests, cell_window, half_requests, mirrored
 from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
 
@@ -92,6 +92,21 @@ def test_fixed_work_cells_scale_their_requests_with_concurrency_at_least_one_per
     assert [cell_requests(48, c, 16) for c in (2, 4, 8, 16)] == [6, 12, 24, 48]
     assert cell_requests(8, 4, 16) == 4  # never fewer requests than clients
     assert cell_requests(0, 16, 16) == 0  # 0: timed windows
+
+
+def test_fixed_work_cells_run_in_mirrored_halves_so_a_linear_drift_costs_every_configuration_alike() -> None:
+    assert half_requests(48, 16) == (24, 24)
+    assert half_requests(6, 2) == (3, 3)
+    assert half_requests(17, 16) == (16, 16)  # each half keeps every client busy
+    order = [("off", "0"), ("k2", "2"), ("auto", "auto")]
+    runs = mirrored(order, (24, 25))
+    assert [c[0] for c, _ in runs] == ["off", "k2", "auto", "auto", "k2", "off"]
+    assert [n for _, n in runs] == [24, 24, 24, 25, 25, 25]
+    # a machine that slows by one unit per run: every configuration's slots add up to the same
+    slots: dict[str, int] = {}
+    for t, ((name, _), _) in enumerate(runs):
+        slots[name] = slots.get(name, 0) + t
+    assert len(set(slots.values())) == 1, slots
 
 
 def test_cell_windows_grow_with_concurrency_from_five_seconds() -> None:
