@@ -1247,21 +1247,13 @@ class DepthController:
         row's pass: where a peer already speculates the pass is long anyway and the probe drafts
         within it (up to that depth); otherwise it waits for the replica's next probe pass
         (`PassPeers.probe_slot`), where the sessions that want to probe do so together. In a
-        packed pass a probe lengthens the pass by its own positions only: `probe_k`, as deep as
-        that, since each position costs every row (at batch 16, 3-5 ms a position against a 170 ms
-        pass: a failed 16-token probe is a third of a pass), and a probe that is accepted lets the
-        policy go deeper. At once where a peer drafts (the pass is packed anyway); where none does
-        and the replica's packed passes cost a jump, at the replica's next probe pass."""
+        packed pass a probe lengthens the pass by its own positions only: `probe_k` at once, as
+        deep as that, since each position costs every row (at batch 16, 3-5 ms a position against
+        a 170 ms pass: a failed 16-token probe is a third of a pass), and a probe that is
+        accepted lets the policy go deeper."""
         b = self._batch(load)
         if self._packed(b):  # a failed deep probe costs every row its positions: probe_k, then the policy
-            if self.peers is None or self.peers.deepest(self._peer) > 0 or self.cost_model.packed_jump_ms(b) <= 0:
-                return self.probe_k
-            # No peer drafts, so this probe alone would pay the jump to a packed pass, for every
-            # row: completion at 16 sessions, at a mean k of 0.1 (a probe of 2 here and there),
-            # read 0.86-0.88x speculation off, with passes that held a probe one in two. Probes
-            # wait for the replica's probe pass, as in a padded batch, and share its jump.
-            plain_ms, probe_ms = self._probe_step_ms(load)
-            return self.probe_k if self.peers.probe_slot(plain_ms / 1000.0, probe_period(plain_ms, probe_ms)) else 0
+            return self.probe_k
         if self.peers is None or b <= 1:
             return max(self.probe_k, echoed)
         deepest = self.peers.deepest(self._peer)

@@ -1105,40 +1105,6 @@ def test_an_echoing_session_probes_though_no_peer_has_drafted_yet() -> None:
     assert sessions[1].target(load) == 0  # the policy itself still charges a lone drafter the whole jump
 
 
-def test_with_no_peer_drafting_a_packed_probe_waits_for_the_replicas_probe_pass() -> None:
-    """A packed pass with any block in it costs a jump (60 ms here at 16 rows). Where no peer
-    drafts, a lone probe would pay it for every row, so probes wait for the replica's probe pass
-    and share it; where a peer drafts, the pass is packed anyway and a probe goes at once."""
-    cm = CostModel()
-    for _ in range(16):
-        for extra in (0, 16, 32, 64):
-            cm.observe_verify(16, 2, 110.0 + (60.0 if extra else 0.0) + 2.3 * extra, positions=16 + extra,
-                              packed=True)
-    assert cm.packed_jump_ms(16) > 30.0
-    load = LoadSignal(0, 16)
-    now = [0.0]
-    peers = PassPeers(clock=lambda: now[0])
-    shared = SharedAcceptance()
-    sessions = [DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.42, prior_weight=1000.0),
-                                shared=shared, peers=peers) for _ in range(16)]
-    first, second = sessions[0], sessions[1]
-    assert first.choose(load) > 0  # the first probe opens the replica's probe pass
-    first.observe(first.history[-1], 0, 0.5, 0.0, 16, pass_positions=18, packed=True, compute_ms=175.0)
-    now[0] += 0.05  # within half a pass: a session that probes now joins that pass
-    assert second.choose(load) > 0
-    second.observe(second.history[-1], 0, 0.5, 0.0, 16, pass_positions=18, packed=True, compute_ms=175.0)
-    for s in (first, second):
-        for _ in range(ECHO_STREAK):
-            s.observe(0, 0, 0.0, 110.0, 16, pass_positions=16, packed=True, echo=True)
-    now[0] += 1.0  # some passes later: the next probe pass is not due
-    assert first.choose(load) == 0 and first.history[-1] == 0
-    now[0] += 60.0  # the probe period has passed: the echoing session probes
-    assert first.choose(load) >= 1
-    peers.commit(sessions[2]._peer, 3)  # a peer drafts: the pass is packed anyway
-    now[0] += 1.0
-    assert second.choose(load) >= 1
-
-
 def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts() -> None:
     """On a CPU a pass of 16 rows costs more as soon as any row brings a block (18 rows run slower
     per row than 16, longer blocks add attention calls): 20 ms here, on top of 5 ms a position.
