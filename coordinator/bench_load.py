@@ -122,17 +122,15 @@ def run_bench_load(args: argparse.Namespace) -> int:
                     order = cell_order(configs, run)
                     if halves is not None:  # fixed work in two halves, the second in reverse order
                         for (name, depth), n in mirrored(order, halves):
-                            spec = LoadSpec(args.method if depth != "0" else "none", depth,
-                                            max_tokens=args.max_tokens)
+                            spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
                             parts[name].append(gens[kind].closed_loop(conc, n, spec))
                     for name, depth in order:
                         if halves is not None:
                             s = summarize([r for records, _ in parts[name] for r in records],
                                           sum(wall for _, wall in parts[name]))
                         else:
-                            spec = LoadSpec(args.method if depth != "0" else "none", depth,
-                                            max_tokens=args.max_tokens)
-                            s = _cell(gens[kind], conc, spec, cell_window(args.window_seconds, conc, max(levels)),
+                            s = _cell(gens[kind], conc, LoadSpec.for_depth(args.method, depth, args.max_tokens),
+                                      cell_window(args.window_seconds, conc, max(levels)),
                                       args.stagger_seconds, target_stub, requests)
                         errors += s["errors"]
                         tps[kind][conc][name].append(s["tokens_per_s"])
@@ -147,7 +145,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
             # the useless draft: a tiny random model proposes garbage; auto must turn it off
             gen_all = LoadGenerator(stack.coordinator.address, prompts, encode=lambda p: encoded[p.id])
             for name, depth in ((OFF, "0"), ("k4", "4"), (AUTO, "auto")):
-                spec = LoadSpec("draft_model" if depth != "0" else "none", depth, max_tokens=args.max_tokens)
+                spec = LoadSpec.for_depth("draft_model", depth, args.max_tokens)
                 records, wall = gen_all.closed_loop(1, len(prompts), spec)
                 useless[name].append(summarize(records, wall)["tokens_per_s"])
             print(f"run {run + 1}: useless draft (tiny random model) c1: "

@@ -207,6 +207,11 @@ class LoadSpec:
     max_tokens: int = 64
     timeout_s: float = 600.0
 
+    @classmethod
+    def for_depth(cls, method: str, depth: str, max_tokens: int) -> "LoadSpec":
+        """A bench configuration: `method` at `depth`, or no drafting at all for depth "0"."""
+        return cls(method if depth != "0" else "none", depth, max_tokens=max_tokens)
+
 
 class LoadGenerator:
     """Sends requests to one coordinator; every method returns the per-request records."""

@@ -54,8 +54,11 @@ def main() -> None:
     parser.add_argument("--show-steps", action="store_true",
                         help="also print each request's k per step and accepted tokens, in finishing order")
     args = parser.parse_args()
+    every_prompt = load_prompts(default_prompts_path())
     try:
-        prompts = prompts_of_kind(load_prompts(default_prompts_path()), args.kind, args.max_tokens)
+        prompts = prompts_of_kind(every_prompt, args.kind, args.max_tokens)
+        after = {kind: prompts_of_kind(every_prompt, kind, args.max_tokens)
+                 for kind in filter(None, args.after.split(","))}
     except ValueError as err:
         parser.error(str(err))
     target = load_model()
@@ -66,19 +69,18 @@ def main() -> None:
     try:
         gen = LoadGenerator(stack.coordinator.address, prompts, encode=lambda p: encoded[p.id])
         gen.closed_loop(args.concurrency, args.concurrency, LoadSpec("ngram", "auto", max_tokens=8))  # warm-up
-        for kind in filter(None, args.after.split(",")):
-            before = prompts_of_kind(load_prompts(default_prompts_path()), kind, args.max_tokens)
-            ids = {p.id: target.encode(p.prompt, chat=p.chat) for p in before}
-            prelude = LoadGenerator(stack.coordinator.address, before, encode=lambda p: ids[p.id])
+        for kind, earlier in after.items():
+            ids = {p.id: target.encode(p.prompt, chat=p.chat) for p in earlier}
+            prelude = LoadGenerator(stack.coordinator.address, earlier, encode=lambda p: ids[p.id])
             for depth in args.configs.split(","):
-                spec = LoadSpec("ngram" if depth != "0" else "none", depth, max_tokens=args.max_tokens)
+                spec = LoadSpec.for_depth("ngram", depth, args.max_tokens)
                 prelude.closed_loop(args.concurrency, args.requests or 2 * args.concurrency, spec)
                 wait_idle(stub)
             prelude.close()
             print(f"ran {kind} first ({args.configs}), unmeasured", flush=True)
         for rep in range(args.reps):
             for depth in args.configs.split(","):
-                spec = LoadSpec("ngram" if depth != "0" else "none", depth, max_tokens=args.max_tokens)
+                spec = LoadSpec.for_depth("ngram", depth, args.max_tokens)
                 before, start = {n: cpu_seconds(p) for n, p in services.items()}, time.time()
                 if args.requests:
                     records, wall = gen.closed_loop(args.concurrency, args.requests, spec)

@@ -43,7 +43,7 @@ def main() -> None:
         gen.closed_loop(1, len(prompts), LoadSpec("ngram", "auto", max_tokens=8))  # warm-up
         for _ in range(args.repeats):
             for depth in args.configs.split(","):
-                spec = LoadSpec("ngram" if depth != "0" else "none", depth, max_tokens=args.max_tokens)
+                spec = LoadSpec.for_depth("ngram", depth, args.max_tokens)
                 records, _ = gen.closed_loop(1, len(prompts), spec)
                 for r in records:
                     elapsed = (r.done or r.sent) - r.sent
