@@ -35,10 +35,25 @@ def add_train_draft_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-minutes", type=float, default=30.0, help="time budget for making data (default 30)")
     p.add_argument("--prompts", type=int, default=6000, help="training prompts to build (default 6000)")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch (default 32)")
+    p.add_argument("--temperatures", default="0,0.7", type=_floats, metavar="T,T",
+                   help="sampling temperatures of the data, shard by shard in turn (default 0,0.7; 0 is greedy)")
+    p.add_argument("--train-batch", type=int, default=None,
+                   help="head: windows per training step (default 16; more on a GPU)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 8e-4 for a head, 3e-4 small)")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="draft vocabulary: the target's most emitted tokens (default 8192; 0: the whole vocabulary)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected one or more temperatures >= 0, got {text!r}")
+    return values
 
 
 def run_train_draft(args: argparse.Namespace, argv: list[str]) -> int:
@@ -63,7 +78,7 @@ def run_train_draft(args: argparse.Namespace, argv: list[str]) -> int:
 
     start = time.monotonic()
     shards = make_shards(target, prompts, data_dir, args.data_minutes, args.data_tokens, batch_size=args.batch_size,
-                         seed=args.seed, progress=on_shard)
+                         temperatures=args.temperatures, seed=args.seed, progress=on_shard)
     bar.close()
     print(f"data: {len(shards)} shards in {data_dir} ({time.monotonic() - start:.0f} s this run)", file=sys.stderr)
     if args.kind == "head":
@@ -73,3 +88,16 @@ def run_train_draft(args: argparse.Namespace, argv: list[str]) -> int:
     from specd.train_draft.train_small import train_small
 
     return train_small(target, shards, out, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specd.train_draft.command ...`: the same as `specd train-draft ...`, importing
+    only what training needs (no gRPC packages: a bare GPU machine with torch and transformers)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="specd train-draft", description=__doc__.split("\n")[0])
+    add_train_draft_flags(parser)
+    return run_train_draft(parser.parse_args(argv), ["train-draft", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

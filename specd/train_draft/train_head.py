@@ -69,24 +69,26 @@ class Batch:
 
 def make_batch(examples: Sequence[Example], embed: torch.Tensor, rng: random.Random, window: int = WINDOW,
                batch: int = BATCH) -> Batch:
-    d = embed.shape[1]
-    feats = torch.zeros(batch, window, d)
-    embs = torch.zeros(batch, window, d)
-    targets = torch.zeros(batch, window, d)
+    """Random windows, built on embed's device (examples whose features already live there, as
+    train_head puts them on a GPU, are sliced without a host copy)."""
+    device, d = embed.device, embed.shape[1]
+    feats = torch.zeros(batch, window, d, device=device)
+    targets = torch.zeros(batch, window, d, device=device)
+    next_ids = torch.zeros(batch, window, dtype=torch.long)
     mask = torch.zeros(batch, window, dtype=torch.bool)
     for b in range(batch):
         ex = examples[rng.randrange(len(examples))]
         pairs = ex.tokens.shape[0] - 1
         start = rng.randrange(max(1, pairs - window + 1))
         n = min(window, pairs - start)
-        feats[b, :n] = ex.features[start: start + n].float()
-        embs[b, :n] = embed[ex.tokens[start + 1: start + 1 + n].to(embed.device)].cpu()
-        targets[b, :n] = ex.features[start + 1: start + 1 + n].float()
+        feats[b, :n] = ex.features[start: start + n]
+        targets[b, :n] = ex.features[start + 1: start + 1 + n]
+        next_ids[b, :n] = ex.tokens[start + 1: start + 1 + n]
         mask[b, :n] = True
+    mask = mask.to(device)
+    embs = embed[next_ids.to(device)] * mask[..., None]
     # Rotary positions are relative inside attention, so one shared range per window is exact.
-    device = embed.device
-    return Batch(feats.to(device), embs.to(device), targets.to(device), torch.arange(window, device=device),
-                 mask.to(device))
+    return Batch(feats, embs, targets, torch.arange(window, device=device), mask)
 
 
 def head_losses(head: DraftHead, lm: torch.Tensor, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -113,12 +115,13 @@ def head_losses(head: DraftHead, lm: torch.Tensor, b: Batch) -> tuple[torch.Tens
     return total, stats
 
 
-def evaluate(head: DraftHead, lm: torch.Tensor, examples: Sequence[Example], embed: torch.Tensor) -> dict[str, float]:
+def evaluate(head: DraftHead, lm: torch.Tensor, examples: Sequence[Example], embed: torch.Tensor,
+             batch: int = BATCH) -> dict[str, float]:
     rng = random.Random(1234)
     sums: dict[str, float] = {}
-    n = 4
+    n = max(1, 4 * BATCH // batch)  # the same number of held-out windows whatever the batch size
     for _ in range(n):
-        _, stats = head_losses(head, lm, make_batch(examples, embed, rng))
+        _, stats = head_losses(head, lm, make_batch(examples, embed, rng, batch=batch))
         for k, v in stats.items():
             sums[k] = sums.get(k, 0.0) + v / n
     sums["est_acceptance_length_k4"] = estimated_acceptance_length(sums["acc1"], sums["acc2"])
@@ -150,12 +153,18 @@ def train_head(target: LoadedModel, shards: Sequence[Path], out: Path, args: arg
           f"sequences ({tokens} tokens); draft vocabulary {state['draft_vocab'].numel()}", file=sys.stderr)
     rng = random.Random(args.seed)
     lm = full_lm[state["draft_vocab"].to(full_lm.device)].contiguous()
+    if target.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the head trains fine in TF32; the data was made in float32
+    if target.device.type != "cpu":  # the data fits a GPU's memory; windows are then cut there
+        train = [Example(ex.tokens, ex.features.to(target.device)) for ex in train]
+        held = [Example(ex.tokens, ex.features.to(target.device)) for ex in held]
+    batch = args.train_batch or BATCH
 
     def loss_fn():
-        return head_losses(head, lm, make_batch(train, embed, rng))
+        return head_losses(head, lm, make_batch(train, embed, rng, batch=batch))
 
-    result = train_for(head, loss_fn, lambda: evaluate(head, lm, held, embed), out, args.minutes, LR, "training head",
-                       extra_state=state)
+    result = train_for(head, loss_fn, lambda: evaluate(head, lm, held, embed, batch), out, args.minutes, args.lr or LR,
+                       "training head", extra_state=state)
     draft_vocab = state["draft_vocab"]  # a resumed run keeps the vocabulary it started with
     final = result.held_out
     save_head(out, head.cpu(), draft_vocab.cpu(), {

@@ -87,7 +87,7 @@ def train_small(target: LoadedModel, shards: Sequence[Path], out: Path, args: ar
         return small_loss(small, lm, window_batch(held, eval_rng))[1]
 
     result = train_for(small, lambda: small_loss(small, lm, window_batch(train, rng)), evaluate, out, args.minutes,
-                       LR, "training small draft")
+                       args.lr or LR, "training small draft")
     small.eval().cpu()
     small.save_pretrained(out / "model")
     if target.tokenizer is not None:
