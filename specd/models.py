@@ -163,15 +163,33 @@ def resolve_model_path(spec: str | None) -> tuple[str, str | os.PathLike]:
     return spec, spec
 
 
+MIN_TRANSFORMERS = (5, 24)  # the first release whose models take the KV cache as `cache=` (specd/kv.py)
+
+
+def require_transformers(version: str) -> None:
+    """Refuse a transformers release older than MIN_TRANSFORMERS: those take the cache as
+    `past_key_values=` and silently ignore `cache=`, so every cached step would see one token."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    if tuple(parts) < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise RuntimeError(f"specd needs transformers>={need}, found {version}: "
+                           f"run `pip install 'transformers>={need}'`")
+
+
 def load_model(
     spec: str | None = None,
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype | None = None,
 ) -> LoadedModel:
     """Load a causal LM and (when it has one) its tokenizer, ready for inference."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    require_transformers(transformers.__version__)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     name, source = resolve_model_path(spec)
