@@ -2,7 +2,7 @@
 
 A session at k = 0 drafts nothing, so it learns nothing about acceptance until its next probe,
 and a gated session probes only every `probe_interval` steps. But for the methods that draft
-from the context (n-gram, suffix), whether a draft would have been accepted can be read without
+from the context (n-gram, suffix, the head's copies), whether a draft would have been accepted can be read without
 drafting: look up what followed the last few tokens earlier in the context (the same prompt
 lookup the n-gram proposer does) and compare it with the token the target then produced. Two
 hits in a row mean the output has started copying (a code edit reaching the unchanged code, an
@@ -18,7 +18,9 @@ from typing import Sequence
 
 from draft_service.proposers.ngram import find_ngram_continuation
 
-ECHO_METHODS = frozenset({"ngram", "suffix"})  # proposers that draft by looking up the context
+# proposers that draft by looking up the context: n-gram, suffix, and the head, which copies from
+# its context where the context repeats (draft_service/proposers/copying.py; same 3-token match)
+ECHO_METHODS = frozenset({"ngram", "suffix", "head"})
 ECHO_MIN_N = 3  # shorter matches recur by chance in any text (one- and two-token patterns)
 ECHO_MAX_N = 4
 

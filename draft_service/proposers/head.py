@@ -25,6 +25,7 @@ import torch
 from draft_service.head.checkpoint import LoadedHead
 from draft_service.head.model import KVCache
 from draft_service.proposers.base import Proposal
+from draft_service.proposers.copying import CopyingSession
 from specd.features import FeatureLog
 from specd.logits import logits_to_probs, sample
 from specd.sampling import SamplingParams
@@ -114,14 +115,19 @@ class HeadSession:
 
 
 class HeadProposer:
-    """Proposes with a trained head; sessions need the target's features (`needs_features`)."""
+    """Proposes with a trained head; sessions need the target's features (`needs_features`).
+
+    With `copies` (the default) a session copies from its context where that has been the better
+    guess (draft_service/proposers/copying.py): the head is weakest where text repeats itself."""
 
     name = "head"
     needs_features = True
 
-    def __init__(self, loaded: LoadedHead, max_context: int):
+    def __init__(self, loaded: LoadedHead, max_context: int, copies: bool = True):
         self.loaded = loaded
         self.max_context = max_context
+        self.copies = copies
 
-    def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> HeadSession:
-        return HeadSession(self.loaded, self.max_context, prompt_ids, params)
+    def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> HeadSession | CopyingSession:
+        session = HeadSession(self.loaded, self.max_context, prompt_ids, params)
+        return CopyingSession(session, prompt_ids) if self.copies else session
