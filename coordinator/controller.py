@@ -28,12 +28,15 @@ The pieces, each small and testable alone:
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "AcceptanceEstimator",
@@ -1179,7 +1182,15 @@ class DepthController:
             keys = [key for key in self.schedule if key <= b]
             return self.schedule[keys[-1] if keys else next(iter(self.schedule))]
         rates, b = self._rates(alpha, load, optimistic, fill)
-        return _argbest(rates, batch_margin(self.margin, b))
+        best = _argbest(rates, batch_margin(self.margin, b))
+        if optimistic is None and log.isEnabledFor(logging.DEBUG):
+            cm = self.cost_model
+            log.debug("depth: alpha %.2f profile %s b %d verify %s draft %s rates/ms %s -> k %d", alpha,
+                      [round(r, 2) for r in self.estimator.profile(self.k_max)], b,
+                      [round(cm.verify_ms(n, b), 1) for n in range(1, self.k_max + 2)],
+                      [round(cm.draft_ms(k), 1) for k in range(self.k_max + 1)],
+                      [round(1000 * r, 1) for r in rates], best)
+        return best
 
     def target(self, load: LoadSignal | None = None) -> int:
         """The depth the policy wants now (floor included, hysteresis and probing not)."""

@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--after", default="",
                         help="comma list of kinds to run first, unmeasured (each config once, as the cells): "
                              "the state a kind meets in `specd bench-load`, which runs the kinds in turn")
+    parser.add_argument("--method", default="ngram", help="drafting method of the stack and every cell (default ngram)")
     parser.add_argument("--show-steps", action="store_true",
                         help="also print each request's k per step and accepted tokens, in finishing order")
     args = parser.parse_args()
@@ -63,24 +64,24 @@ def main() -> None:
         parser.error(str(err))
     target = load_model()
     encoded = {p.id: target.encode(p.prompt, chat=p.chat) for p in prompts}
-    stack = start_stack(Path(tempfile.mkdtemp(prefix="held-cells-")), method="ngram", k="auto")
+    stack = start_stack(Path(tempfile.mkdtemp(prefix="held-cells-")), method=args.method, k="auto")
     stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.target.address))
     services = {name: psutil.Process(getattr(stack, name).proc.pid) for name in ("target", "draft", "coordinator")}
     try:
         gen = LoadGenerator(stack.coordinator.address, prompts, encode=lambda p: encoded[p.id])
-        gen.closed_loop(args.concurrency, args.concurrency, LoadSpec("ngram", "auto", max_tokens=8))  # warm-up
+        gen.closed_loop(args.concurrency, args.concurrency, LoadSpec(args.method, "auto", max_tokens=8))  # warm-up
         for kind, earlier in after.items():
             ids = {p.id: target.encode(p.prompt, chat=p.chat) for p in earlier}
             prelude = LoadGenerator(stack.coordinator.address, earlier, encode=lambda p: ids[p.id])
             for depth in args.configs.split(","):
-                spec = LoadSpec.for_depth("ngram", depth, args.max_tokens)
+                spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
                 prelude.closed_loop(args.concurrency, args.requests or 2 * args.concurrency, spec)
                 wait_idle(stub)
             prelude.close()
             print(f"ran {kind} first ({args.configs}), unmeasured", flush=True)
         for rep in range(args.reps):
             for depth in args.configs.split(","):
-                spec = LoadSpec.for_depth("ngram", depth, args.max_tokens)
+                spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
                 before, start = {n: cpu_seconds(p) for n, p in services.items()}, time.time()
                 if args.requests:
                     records, wall = gen.closed_loop(args.concurrency, args.requests, spec)

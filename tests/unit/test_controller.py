@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -1154,3 +1155,15 @@ def test_unseen_positions_are_capped_by_what_the_methods_sessions_accepted_there
     deep = pass_rates([0.8], lambda k: 0.0, verify, K_MAX, profile=free)
     shallow = pass_rates([0.8], lambda k: 0.0, verify, K_MAX, profile=capped)
     assert deep.index(max(deep)) > 2 and shallow.index(max(shallow)) == 2
+
+
+def test_debug_logging_shows_the_depth_choice_without_changing_it(caplog) -> None:
+    """`--log-level DEBUG` on the coordinator logs each choice's inputs (how the head's depths were
+    diagnosed); the choice is the same with and without it."""
+    quiet = DepthController(K_MAX, simulated_cost_model(), estimator=AcceptanceEstimator(alpha0=0.8))
+    chosen = quiet.target()
+    loud = DepthController(K_MAX, simulated_cost_model(), estimator=AcceptanceEstimator(alpha0=0.8))
+    with caplog.at_level(logging.DEBUG, logger="coordinator.controller"):
+        assert loud.target() == chosen > 0
+    record = next(r for r in caplog.records if r.getMessage().startswith("depth:"))
+    assert f"-> k {chosen}" in record.getMessage() and "verify [" in record.getMessage()
