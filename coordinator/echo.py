@@ -2,9 +2,10 @@
 
 A session at k = 0 drafts nothing, so it learns nothing about acceptance until its next probe,
 and a gated session probes only every `probe_interval` steps. But for the methods that draft
-from the context (n-gram, suffix, the head's copies), whether a draft would have been accepted can be read without
-drafting: look up what followed the last few tokens earlier in the context (the same prompt
-lookup the n-gram proposer does) and compare it with the token the target then produced. Two
+from the context (n-gram, suffix, the head's copies), whether a draft would have been accepted
+can be read without drafting: look up what followed the last few tokens earlier in the context
+(the same prompt lookup the n-gram proposer does) and compare it with the token the target then
+produced. Two
 hits in a row mean the output has started copying (a code edit reaching the unchanged code, an
 answer quoting its source), which is when a probe pays; a miss or no match says nothing new.
 
