@@ -5,9 +5,9 @@ and a gated session probes only every `probe_interval` steps. But for the method
 from the context (n-gram, suffix, the head's copies), whether a draft would have been accepted
 can be read without drafting: look up what followed the last few tokens earlier in the context
 (the same prompt lookup the n-gram proposer does) and compare it with the token the target then
-produced. Two
-hits in a row mean the output has started copying (a code edit reaching the unchanged code, an
-answer quoting its source), which is when a probe pays; a miss or no match says nothing new.
+produced. Two hits in a row mean the output has started copying (a code edit reaching the
+unchanged code, an answer quoting its source), which is when a probe pays; a miss or no match
+says nothing new.
 
 The lookup is one numpy pass over the context per k = 0 step, in the coordinator: no draft call
 and no verify positions, so the disabled path still costs the replicas nothing.
