@@ -169,12 +169,10 @@ MIN_TRANSFORMERS = (5, 24)  # the first release whose models take the KV cache a
 def require_transformers(version: str) -> None:
     """Refuse a transformers release older than MIN_TRANSFORMERS: those take the cache as
     `past_key_values=` and silently ignore `cache=`, so every cached step would see one token."""
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    if tuple(parts) < MIN_TRANSFORMERS:
-        need = ".".join(map(str, MIN_TRANSFORMERS))
+    from packaging.version import Version  # a dependency of transformers itself
+
+    need = ".".join(map(str, MIN_TRANSFORMERS))
+    if Version(version) < Version(need):
         raise RuntimeError(f"specd needs transformers>={need}, found {version}: "
                            f"run `pip install 'transformers>={need}'`")
 

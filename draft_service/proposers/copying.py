@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from draft_service.proposers.base import DraftSession, Proposal
-from draft_service.proposers.ngram import find_ngram_continuation
+from draft_service.proposers.ngram import NgramSession
 
 # A copy needs the context's last 3 tokens to have occurred before: a one- or two-token match is
 # common in any text and says little about what follows.
@@ -63,7 +63,7 @@ class CopyingSession:
 
     def __init__(self, inner: DraftSession, prompt_ids: Sequence[int]):
         self.inner = inner
-        self.tokens: list[int] = [int(t) for t in prompt_ids]
+        self.lookup = NgramSession(prompt_ids, COPY_MIN_N, COPY_MAX_N)  # the context, and the copy it offers
         self.copy_rate = SourceRate()
         self.model_rate = SourceRate()
         self.copies = 0  # blocks proposed by copying, for tests and logs
@@ -83,11 +83,11 @@ class CopyingSession:
             if offered:
                 self.copy_rate.add(*score_block(offered, new))
             self._last = None
-        self.tokens.extend(new)
+        self.lookup.append(new)
         self.inner.append(new)
 
     def propose(self, k: int) -> Proposal:
-        copy = find_ngram_continuation(self.tokens, k, COPY_MIN_N, COPY_MAX_N) if k > 0 else []
+        copy = self.lookup.propose(k).tokens if k > 0 else []
         if copy and self.copy_rate.rate >= self.model_rate.rate:
             self.copies += 1
             self._last = (copy, True, [])
@@ -99,8 +99,7 @@ class CopyingSession:
     def propose_ahead(self, assumed: Sequence[int], k: int) -> Proposal:
         """Pipelined: the same choice on the context followed by `assumed`; not scored (the next
         append says what followed the context, not the assumed block)."""
-        context = self.tokens + [int(t) for t in assumed]
-        copy = find_ngram_continuation(context, k, COPY_MIN_N, COPY_MAX_N) if k > 0 else []
+        copy = self.lookup.propose_ahead(assumed, k).tokens if k > 0 else []
         self._last = None
         if copy and self.copy_rate.rate >= self.model_rate.rate:
             return Proposal(copy, None)
