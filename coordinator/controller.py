@@ -745,6 +745,8 @@ MODES = ("auto", "fixed", "schedule")
 PROBE_FIRST_INTERVAL = 4
 # Sessions of a method that must have ended before their acceptance says whether early probes pay.
 MIN_SESSIONS = 4
+# The tokens an early probe may pay back over when the request's remaining tokens are not known.
+DEFAULT_HORIZON = 32
 # A session's fill (share of the asked draft tokens its proposer drafted) starts at 1 with this
 # many samples' weight, and follows the last FILL_WINDOW steps that asked for a draft.
 FILL_PRIOR = 2.0
@@ -793,7 +795,8 @@ class SharedAcceptance:
         self._estimator = AcceptanceEstimator(alpha0=alpha0, window=window)
         self._fill = _Mean(1.0, 0.0)
         self._window = window
-        self._sessions: deque[float] = deque(maxlen=sessions_kept)
+        self._sessions: deque[tuple[float, float]] = deque(maxlen=sessions_kept)  # (acceptance, fill)
+        self.version = 0  # counts reported sessions: what is derived from them may be cached on it
         self._lock = threading.Lock()
         self.lo, self.hi = lo, hi
 
@@ -817,25 +820,24 @@ class SharedAcceptance:
         with self._lock:
             return self._fill.mean
 
-    def report_session(self, alpha: float) -> None:
-        """A session that drafted ended with acceptance `alpha`."""
+    def report_session(self, alpha: float, fill: float = 1.0) -> None:
+        """A session that drafted ended with acceptance `alpha`, its proposer having drafted
+        `fill` of the tokens it asked for."""
         with self._lock:
-            self._sessions.append(float(alpha))
+            self._sessions.append((float(alpha), min(max(float(fill), 0.0), 1.0)))
+            self.version += 1
 
-    def best_sessions(self) -> float | None:
-        """How well the best recent sessions accepted: the 90th percentile (nearest rank) of the
-        last `sessions_kept` sessions that drafted; None while fewer than MIN_SESSIONS have.
+    def recent_sessions(self) -> list[tuple[float, float]] | None:
+        """(acceptance, fill) of the last `sessions_kept` sessions that drafted, oldest first;
+        None while fewer than MIN_SESSIONS have.
 
         The pooled `alpha` is a mean over prompts, and acceptance belongs to the prompt: a mix
         where one request in five is a code edit has a low mean and sessions that pay well. The
-        upper tail says whether any prompt of this method has been worth speculating on lately,
-        which is what decides if a new session's early probes are worth their cost (not for a
-        draft that no prompt accepts)."""
+        recent sessions, each with its own acceptance and fill, say what a new prompt of this
+        method is likely to be worth, which decides whether its early probes are worth their
+        cost (`DepthController._early_probes_pay`)."""
         with self._lock:
-            if len(self._sessions) < MIN_SESSIONS:
-                return None
-            ranked = sorted(self._sessions)
-        return ranked[min(math.ceil(0.9 * len(ranked)), len(ranked)) - 1]
+            return list(self._sessions) if len(self._sessions) >= MIN_SESSIONS else None
 
     def position_caps(self, min_trials: float = CAP_MIN_TRIALS) -> list[float | None]:
         """The method's conditional acceptance per draft position over its recent steps, None
@@ -865,7 +867,7 @@ class SharedAcceptance:
         k = 12-13 and paid for 13-token blocks that kept one or two tokens. What a new prompt
         accepts is a draw from the prompts, not from the tokens."""
         with self._lock:
-            sessions = list(self._sessions)
+            sessions = [a for a, _ in self._sessions]
         if len(sessions) < MIN_SESSIONS:
             return self.alpha
         return self._clamp(sum(sessions) / len(sessions))
@@ -1002,9 +1004,11 @@ class DepthController:
     probe could pay (the shared rate comes from other prompts; acceptance is a property of this
     one). Its first re-probe comes PROBE_FIRST_INTERVAL steps later; while acceptance still does
     not pay the interval doubles, up to `probe_max_interval`, and it restarts at `probe_interval`
-    once speculation has come back. The first probe and the early re-probes are kept for methods
-    some of whose recent prompts paid at this load (`SharedAcceptance.best_sessions`); when none
-    did (a useless draft), a session waits `probe_interval` steps before any probe. A
+    once speculation has come back. The first probe and the early re-probes are kept for when
+    what they may find is worth what they cost: the method's recent prompts, each priced at this
+    load, save more over the request's remaining tokens than the probe costs
+    (`_early_probes_pay`); otherwise (a useless draft, or prompts that do not pay in a batch this
+    large) a session waits `probe_interval` steps before any probe. A
     session probes only when k = 0 is down to acceptance: when good acceptance would not pay
     either (load, costs, a schedule entry of 0), there is nothing to learn. Between probes a k = 0
     session does no draft work.
@@ -1088,6 +1092,8 @@ class DepthController:
         self._echo_streak = 0  # k = 0 steps in a row whose token echoed the context
         self._echo_needed = ECHO_STREAK  # the streak that makes the next echo probe
         self._echo_probe = False  # the last step chosen was a probe called by echoes
+        self._remaining: int | None = None  # tokens the request may still produce, as the last choose() was told
+        self._saving_cache: tuple[tuple[int, int], float] | None = None  # (shared version, batch) -> ms/token
         # share of the asked draft tokens the proposer drafted; starts from the method's recent steps
         self.fill = _Mean(shared.fill if shared is not None else 1.0, FILL_PRIOR)
         self.peers = peers if mode == "auto" else None
@@ -1201,8 +1207,10 @@ class DepthController:
 
     # the step API
 
-    def choose(self, load: LoadSignal | None = None) -> int:
-        """The depth for the next step."""
+    def choose(self, load: LoadSignal | None = None, remaining: int | None = None) -> int:
+        """The depth for the next step; `remaining`: the most tokens the request may still
+        produce (None: not known, then DEFAULT_HORIZON), what an early probe may pay back over."""
+        self._remaining = remaining
         target = self.target(load)
         if self._probed:  # the step before was a probe: judge it
             self._probed = False
@@ -1326,12 +1334,45 @@ class DepthController:
         return plain_ms, cm.verify_ms(self.probe_k + 1, b) + cm.draft_ms(self.probe_k) + cm.open_ms()
 
     def _early_probes_pay(self, load: LoadSignal | None) -> bool:
-        """Whether the best recent sessions of this method (`SharedAcceptance.best_sessions`)
-        accepted well enough that speculation would pay at this load. If none did (a useless
-        draft, or a batch too large for what this method's prompts accept), a new session's first
-        and early probes are not worth their cost, and it probes at the regular interval only."""
-        best = self.shared.best_sessions() if self.shared is not None else None
-        return best is None or self._policy(best, load, best) > 0
+        """Whether an early probe is worth its cost: a probe tells whether this prompt pays, and
+        what that is worth is what speculating would save on the request's remaining tokens if
+        the prompt is like one of the method's recent ones (`SharedAcceptance.recent_sessions`),
+        averaged over them (`_saving_per_token`). Worth it when that beats the probe's extra cost
+        (`_probe_step_ms`). With fewer than MIN_SESSIONS recent sessions there is nothing to go
+        by, and it probes.
+
+        The test was the best recent sessions' (90th percentile) acceptance alone, which said yes
+        wherever one prompt in ten paid: at 16 sessions, completions whose best prompt accepted a
+        third of its drafts had all sixteen probe at their second step, in one or two passes
+        every row paid for (48 positions on a 101 ms pass: 191 ms), and ran at 0.86-0.94x
+        speculation off, where the same cell without probes ran at 1.00x. A probe of 2 tokens at
+        batch 16 costs about a plain pass; what it can find pays back only if prompts like the
+        recent ones save more than that over the tokens left."""
+        sessions = self.shared.recent_sessions() if self.shared is not None else None
+        if sessions is None:
+            return True
+        plain_ms, probe_ms = self._probe_step_ms(load)
+        horizon = DEFAULT_HORIZON if self._remaining is None else max(self._remaining, 0)
+        return self._saving_per_token(load, sessions) * horizon > probe_ms - plain_ms
+
+    def _saving_per_token(self, load: LoadSignal | None, sessions: Sequence[tuple[float, float]]) -> float:
+        """The ms per emitted token that speculating at the best depth saves over plain decoding,
+        averaged over prompts like `sessions` ((acceptance, fill) each, priced at this load as
+        this session's what-if), 0 for those where the policy would keep plain decoding. Cached on the
+        shared record's version and the batch size: it is asked at every k = 0 step of a session
+        that could probe, and costs a rate curve per recent session."""
+        key = (self.shared.version if self.shared is not None else 0, self._batch(load))
+        if self._saving_cache is not None and self._saving_cache[0] == key:
+            return self._saving_cache[1]
+        saved = 0.0
+        for alpha, fill in sessions:
+            rates, b = self._rates(alpha, load, alpha, fill)
+            chosen = rates[_argbest(rates, batch_margin(self.margin, b))]  # what the policy would run
+            if rates[0] > 0 and chosen > rates[0]:
+                saved += 1.0 / rates[0] - 1.0 / chosen
+        saving = saved / len(sessions)
+        self._saving_cache = (key, saving)
+        return saving
 
     def _commit(self, k: int) -> None:
         if k != self.k:
@@ -1411,7 +1452,7 @@ class DepthController:
         if self.peers is not None:
             self.peers.leave(self._peer)
         if self.shared is not None and self._drafted and not self._closed:
-            self.shared.report_session(self.estimator.alpha)
+            self.shared.report_session(self.estimator.alpha, self.fill.mean)
         self._closed = True
 
 

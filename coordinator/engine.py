@@ -215,7 +215,7 @@ class SpeculativeEngine:
                     break
                 limit = min(params.max_tokens - len(gen.token_ids) - 1, target.session.room - 1)
                 if controller is not None:
-                    wanted = controller.choose(self.depth.load(target.session))  # type: ignore[union-attr]
+                    wanted = controller.choose(self.depth.load(target.session), remaining=limit + 1)  # type: ignore[union-attr]
                 else:
                     wanted = self.k
                 k = min(wanted, limit)

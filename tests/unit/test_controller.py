@@ -569,19 +569,42 @@ def draft_model_cost_model() -> CostModel:
     return cm
 
 
-def shared_after_sessions(alphas: list[float]) -> SharedAcceptance:
+def shared_after_sessions(alphas: list[float], fill: float = 1.0) -> SharedAcceptance:
     """A method's shared acceptance after sessions that drafted ended with these acceptances."""
     shared = SharedAcceptance(alpha0=0.02)
     for a in alphas:
-        shared.report_session(a)
+        shared.report_session(a, fill)
     return shared
 
 
-def test_best_sessions_is_the_upper_tail_of_recent_sessions() -> None:
-    assert shared_after_sessions([0.9] * 3).best_sessions() is None  # too few sessions to say
-    assert shared_after_sessions([0.01] * 28 + [0.9] * 4).best_sessions() == 0.9  # one prompt in eight pays
-    assert shared_after_sessions([0.9] + [0.01] * 31).best_sessions() == 0.01  # one lucky session does not count
-    assert shared_after_sessions([0.9] * 32 + [0.01] * 32).best_sessions() == 0.01  # only the last 32 are kept
+def test_recent_sessions_are_the_last_ones_that_drafted() -> None:
+    assert shared_after_sessions([0.9] * 3).recent_sessions() is None  # too few sessions to say
+    shared = shared_after_sessions([0.9] * 32 + [0.01] * 32, fill=0.5)
+    assert shared.recent_sessions() == [(0.01, 0.5)] * 32  # only the last 32 are kept
+    assert shared.version == 64
+
+
+def test_early_probes_in_a_packed_batch_wait_for_prompts_that_would_pay() -> None:
+    """At 16 rows a probe of 2 costs every row its positions (10 ms on a 130 ms pass). Recent
+    completions (a third of their drafts accepted, a draft for a third of the asked tokens, the
+    best at 0.6) would not have paid at this load: a new session does not spend a probe finding
+    out, though the best recent prompt alone would have said yes. Where one recent prompt in
+    four was a code edit it probes at its first step, unless the request has too few tokens left
+    to pay the probe back."""
+    load = LoadSignal(0, 16)
+    completions = shared_after_sessions([0.33] * 28, fill=0.35)
+    for _ in range(4):
+        completions.report_session(0.6, 0.4)
+    peers = PassPeers()
+    new = [DepthController(K_MAX, packed_cost_model(), shared=completions, peers=peers) for _ in range(16)]
+    assert not new[0]._early_probes_pay(load)
+    assert [s.choose(load, remaining=31) for s in new] == [0] * 16
+    some_edits = shared_after_sessions([0.02] * 24 + [0.95] * 8)
+    peers = PassPeers()
+    fresh = [DepthController(K_MAX, packed_cost_model(), shared=some_edits, peers=peers) for _ in range(16)]
+    assert fresh[0].target(load) == 0  # the seed, the mean recent session, does not pay
+    assert fresh[0].choose(load, remaining=31) > 0
+    assert fresh[1].choose(load, remaining=8) == 0
 
 
 def test_a_draft_no_recent_prompt_accepted_probes_only_at_the_gated_interval() -> None:
@@ -612,12 +635,12 @@ def test_a_closed_session_that_drafted_is_reported_once() -> None:
         run_session(s, [0.9] * 10)
         s.close()
         s.close()
-    assert shared.best_sessions() is None  # three sessions, each counted once: too few to say
+    assert shared.recent_sessions() is None  # three sessions, each counted once: too few to say
     fourth = make_controller("auto", K_MAX, simulated_cost_model(), shared)
     run_session(fourth, [0.9] * 10)
     fourth.close()
-    best = shared.best_sessions()
-    assert best is not None and best > 0.5
+    recent = shared.recent_sessions()
+    assert recent is not None and len(recent) == 4 and all(a > 0.5 and f == 1.0 for a, f in recent)
 
 
 def test_the_draft_line_follows_new_observations() -> None:
@@ -861,7 +884,7 @@ def test_probe_period_keeps_probing_within_its_budget() -> None:
 
 def test_a_new_session_in_a_batch_whose_method_did_not_pay_does_not_probe_first() -> None:
     """Alone, a new session probes at its first step whatever its method's recent sessions did;
-    in a batch of 4, where their upper tail would not pay, it does not: its probe would lengthen
+    in a batch of 4, where prompts like them would not pay, it does not: its probe would lengthen
     every row's pass, and a copying prompt gets its probe from its echoes instead. A method whose
     recent prompts did pay there still probes at the first step."""
     cm = simulated_cost_model()
