@@ -1190,3 +1190,62 @@ def test_debug_logging_shows_the_depth_choice_without_changing_it(caplog) -> Non
         assert loud.target() == chosen > 0
     record = next(r for r in caplog.records if r.getMessage().startswith("depth:"))
     assert f"-> k {chosen}" in record.getMessage() and "verify [" in record.getMessage()
+
+
+def test_positions_past_the_recent_sessions_deepest_take_its_cap_unless_the_session_went_deeper() -> None:
+    """The method's recent sessions tried four positions, the fourth accepting half the time: a
+    new session that has drafted two does not price positions 5 and on at its own continuation
+    (0.9 and more) but at the deepest cap; one that drafted six positions itself is past the
+    recent sessions' evidence and keeps its own rates."""
+    shared = SharedAcceptance()
+    for i in range(300):
+        shared.update(4, 4 if i % 2 else 3)  # the fourth position accepts half the time
+    caps = shared.position_caps()
+    assert len(caps) == 4 and caps[3] == pytest.approx(0.5, abs=0.05)
+
+    def session(block: int) -> AcceptanceEstimator:
+        est = AcceptanceEstimator(alpha0=0.5, prior_weight=2.0, ceilings=shared.position_caps)
+        for _ in range(8):
+            est.update(block, block)  # its own blocks all went through
+        return est
+
+    shallow = session(2).profile(K_MAX)
+    assert shallow[2] > 0.9 and shallow[3] == pytest.approx(caps[3])  # positions the recent sessions tried
+    assert all(r == pytest.approx(caps[3]) for r in shallow[4:])  # past them: the deepest cap
+    deep = session(6).profile(K_MAX)
+    assert all(r > 0.8 for r in deep)  # its own positions and its continuation past them
+
+
+def test_in_a_batch_depth_grows_by_doubling_what_has_been_seen() -> None:
+    """A session whose blocks of 4 all went through prices deeper positions at its continuation
+    rate, 0.95 and more. Alone it goes as deep as that pays; in a packed batch of 16 it chooses at
+    most twice the deepest position it or its method's recent sessions drafted, since a failed
+    deep block there costs every row its positions."""
+    def copier(cm: CostModel) -> DepthController:
+        controller = DepthController(16, cm, shared=SharedAcceptance(), peers=PassPeers())
+        for _ in range(8):
+            controller.estimator.update(4, 4)
+        return controller
+
+    alone = copier(packed_cost_model())
+    assert alone._depth_reach() == 8
+    assert alone.target(LoadSignal(0, 1)) > 8
+    batched = copier(packed_cost_model())
+    batched.batch_size = 16  # its last pass had 16 rows
+    k = batched.target(LoadSignal(0, 16))
+    assert 4 < k <= 8, k
+
+
+def test_in_a_batch_a_lower_depth_is_taken_at_once_alone_it_waits_for_the_margin() -> None:
+    """Acceptance falls from 0.95 to 0.8. Alone, k = 8 and the new best k = 5 are within the
+    switch margin, and the session keeps its depth (switching costs, the rates are estimates); in
+    a batch of 8 a block deeper than pays costs every row, and it goes down at once."""
+    for b, kept in ((1, True), (8, False)):
+        load = LoadSignal(0, b)
+        session = DepthController(K_MAX, simulated_cost_model(),
+                                  estimator=AcceptanceEstimator(alpha0=0.95, prior_weight=1000.0))
+        before = session.choose(load)
+        session.estimator = AcceptanceEstimator(alpha0=0.8, prior_weight=1000.0)
+        lower = session.target(load)
+        assert 0 < lower < before
+        assert session.choose(load) == (before if kept else lower)
