@@ -1012,11 +1012,8 @@ class DepthController:
     side of the current k (all higher or all lower) for `switch_after` consecutive steps. Near a
     decision boundary the rates of neighbouring depths are nearly equal, so noise there costs
     little throughput, while switching back and forth does cost (pipelines and caches restart).
-    Turning off for the floor is immediate, and so is a lower depth (not 0) in a batch, where a
-    block deeper than pays lengthens every row's pass: extraction sessions at 8 rows kept blocks
-    of 12 for four steps after their acceptance fell, each keeping one or two tokens, because
-    k = 4 was not 10 % better on a flat rate curve. In a batch depth also grows by doubling
-    what has been seen (`_depth_reach`).
+    Turning off for the floor is immediate. In a batch depth grows by doubling what has been
+    seen (`_depth_reach`).
 
     Re-probing: while the session sits at k = 0, nothing about acceptance is learnt. A session
     whose start comes from a `SharedAcceptance` saying "off" probes at its first step where a
@@ -1266,10 +1263,8 @@ class DepthController:
             self._pending_side = side
             better = False
             if self.mode == "auto":
-                rates, b = self._rates(self.estimator.alpha, load)
+                rates, _ = self._rates(self.estimator.alpha, load)
                 better = rates[target] > rates[self.k] * (1.0 + self.switch_margin)
-                # In a batch a block deeper than pays costs every row: down at once, up by the margin.
-                better = better or (b > 1 and 0 < target < self.k)
             if better or self._pending_steps >= self.switch_after:
                 self._commit(target)
         k = self.k

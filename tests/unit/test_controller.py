@@ -1235,17 +1235,3 @@ def test_in_a_batch_depth_grows_by_doubling_what_has_been_seen() -> None:
     k = batched.target(LoadSignal(0, 16))
     assert 4 < k <= 8, k
 
-
-def test_in_a_batch_a_lower_depth_is_taken_at_once_alone_it_waits_for_the_margin() -> None:
-    """Acceptance falls from 0.95 to 0.8. Alone, k = 8 and the new best k = 5 are within the
-    switch margin, and the session keeps its depth (switching costs, the rates are estimates); in
-    a batch of 8 a block deeper than pays costs every row, and it goes down at once."""
-    for b, kept in ((1, True), (8, False)):
-        load = LoadSignal(0, b)
-        session = DepthController(K_MAX, simulated_cost_model(),
-                                  estimator=AcceptanceEstimator(alpha0=0.95, prior_weight=1000.0))
-        before = session.choose(load)
-        session.estimator = AcceptanceEstimator(alpha0=0.8, prior_weight=1000.0)
-        lower = session.target(load)
-        assert 0 < lower < before
-        assert session.choose(load) == (before if kept else lower)
