@@ -1226,8 +1226,8 @@ class DepthController:
         best = _argbest(rates, batch_margin(self.margin, b))
         if optimistic is None and log.isEnabledFor(logging.DEBUG):
             cm = self.cost_model
-            log.debug("depth: session %x step %d k %s alpha %.2f profile %s b %d verify %s draft %s rates/ms %s -> k %d",
-                      id(self), len(self.history), self.k, alpha,
+            log.debug("depth: session %x step %d k %s alpha %.2f profile %s b %d verify %s draft %s "
+                      "rates/ms %s -> k %d", id(self), len(self.history), self.k, alpha,
                       [round(r, 2) for r in self.estimator.profile(self.k_max)], b,
                       [round(cm.verify_ms(n, b), 1) for n in range(1, self.k_max + 2)],
                       [round(cm.draft_ms(k), 1) for k in range(self.k_max + 1)],

@@ -215,7 +215,8 @@ class SpeculativeEngine:
                     break
                 limit = min(params.max_tokens - len(gen.token_ids) - 1, target.session.room - 1)
                 if controller is not None:
-                    wanted = controller.choose(self.depth.load(target.session), remaining=limit + 1)  # type: ignore[union-attr]
+                    load = self.depth.load(target.session)  # type: ignore[union-attr]
+                    wanted = controller.choose(load, remaining=limit + 1)
                 else:
                     wanted = self.k
                 k = min(wanted, limit)
