@@ -399,15 +399,15 @@ class AcceptanceEstimator:
         tokens that kept two or three, in passes every row paid for, and ran at 0.91x speculation
         off where fixed k = 2 ran at 0.98x. A session that has drafted deeper than the recent
         sessions (a code edit after chat prompts) is not held to their shallow caps."""
-        own = self.position_rates[:depth]
-        rates = list(own)
-        if len(rates) < depth:
+        rates = self.position_rates[:depth]
+        drafted = len(rates)  # positions this session has drafted itself
+        if drafted < depth:
             caps = self.ceilings() if self.ceilings is not None else []
             if rates or caps:
                 unseen = self.continuation_rate if rates else self.alpha
                 known = [j for j, cap in enumerate(caps) if cap is not None]
-                deepest = known[-1] if known and known[-1] >= len(own) else depth
-                for j in range(len(rates), depth):
+                deepest = known[-1] if known and known[-1] >= drafted else depth
+                for j in range(drafted, depth):
                     if j < len(caps) and caps[j] is not None:
                         cap = caps[j]
                     else:
