@@ -60,6 +60,11 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = _MESSAGE_LIMITS + [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Each channel its own connections. gRPC otherwise shares subchannels, process-wide, among
+    # channels with the same address and options: a new channel to a replica restarted at an
+    # address where an old channel is still backing off (up to a replica pool's 5 s) failed
+    # with UNAVAILABLE until that backoff ran out, and its pool marked the replica unhealthy.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

@@ -62,3 +62,30 @@ def test_the_watcher_thread_notices_a_draining_replica():
     finally:
         pool.close()
         server.server.stop(0)
+
+
+def test_a_new_pool_sees_a_replica_restarted_where_an_old_channel_is_backing_off():
+    """The CI failure of stop 24: a test's server took a port an earlier test's replica had held,
+    whose channel was still backing off; gRPC shared that subchannel with the new pool's channel,
+    so the new replica answered UNAVAILABLE and its requests ran without speculation."""
+    old = health_server()
+    port = old.port
+    old_pool = ReplicaPool([f"127.0.0.1:{port}"], PoolOptions(health_interval_s=3600, health_timeout_s=1.0), name="draft")
+    new = None
+    try:
+        old.server.stop(0).wait()
+        for _ in range(3):  # fail a few connection attempts: the old channel is now in backoff
+            old_pool.check_health()
+        assert not old_pool.snapshot()[0]["healthy"]
+        cfg = SimpleNamespace(host="127.0.0.1", port=port, max_workers=4, grace_seconds=0.0)
+        new = build_server(cfg, lambda server: None, ["specdec.v1.DraftService"])
+        pool = ReplicaPool([f"127.0.0.1:{port}"], PoolOptions(health_interval_s=3600, health_timeout_s=1.0), name="draft")
+        try:
+            assert pool.snapshot()[0]["status"] == "SERVING"  # at once, not after the old channel's backoff
+        finally:
+            pool.close()
+    finally:
+        old_pool.close()
+        old.server.stop(0)
+        if new is not None:
+            new.server.stop(0)
