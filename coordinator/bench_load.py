@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -49,8 +50,13 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
                    help="fixed-work cells instead of timed windows: at the highest concurrency this many requests "
                         "(in proportion below it, at least one per client), tokens/s over their wall time; greedy "
                         "outputs are the same in every configuration, so every cell does the same work; at concurrency "
-                        ">= 2 each cell runs as two halves, the level's configurations in order, then in reverse, so "
-                        "that a drift over the level's minutes falls on all alike (default 0: windows)")
+                        ">= 2 each cell runs in parts interleaved with the other configurations' (`--cell-parts`) "
+                        "(default 0: windows)")
+    p.add_argument("--cell-parts", type=int, default=2,
+                   help="fixed-work cells at concurrency >= 2 run in this many parts, each at least one request per "
+                        "client: 2 mirrored (A B C C B A); more, each round's order rotated by one (with as many "
+                        "parts as configurations a Latin square: every configuration once in every slot, none twice "
+                        "in a row), so that the machine's swings fall on the configurations alike (default 2)")
     p.add_argument("--stagger-seconds", type=float, default=0.2,
                    help="at concurrency >= 2, client i sends its first request i times this late, so that "
                         "requests do not run in step (default 0.2)")
@@ -117,15 +123,15 @@ def run_bench_load(args: argparse.Namespace) -> int:
                 for conc in levels:
                     line = {}
                     requests = cell_requests(args.cell_requests, conc, max(levels))
-                    halves = half_requests(requests, conc) if conc > 1 and requests else None
+                    split = split_requests(requests, conc, args.cell_parts) if conc > 1 and requests else None
                     parts: dict[str, list] = defaultdict(list)
                     order = cell_order(configs, run)
-                    if halves is not None:  # fixed work in two halves, the second in reverse order
-                        for (name, depth), n in mirrored(order, halves):
+                    if split is not None:  # fixed work in parts, interleaved (`interleaved`)
+                        for (name, depth), n in interleaved(order, split):
                             spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
                             parts[name].append(gens[kind].closed_loop(conc, n, spec))
                     for name, depth in order:
-                        if halves is not None:
+                        if split is not None:
                             s = summarize([r for records, _ in parts[name] for r in records],
                                           sum(wall for _, wall in parts[name]))
                         else:
@@ -195,22 +201,32 @@ def cell_requests(requests: int, concurrency: int, highest: int) -> int:
     return max(concurrency, round(requests * concurrency / max(highest, 1)))
 
 
-def half_requests(requests: int, concurrency: int) -> tuple[int, int]:
-    """A fixed-work cell's requests in two halves, each at least one per client."""
-    first = max(concurrency, requests // 2)
-    return first, max(concurrency, requests - first)
+def split_requests(requests: int, concurrency: int, parts: int = 2) -> list[int]:
+    """A fixed-work cell's requests in `parts` parts (fewer where a part would have fewer requests
+    than clients), each at least one per client, adding up to `requests` or more."""
+    n = max(1, min(parts, requests // max(concurrency, 1)))
+    sizes = [requests // n + (1 if i < requests % n else 0) for i in range(n)]
+    return [max(concurrency, size) for size in sizes]
 
 
-def mirrored(order: list[tuple[str, str]], halves: tuple[int, int]) -> list[tuple[tuple[str, str], int]]:
-    """The runs of a level's fixed-work cells: every configuration's first half in `order`, then
-    every second half in reverse (A B C C B A), each with its request count.
+def interleaved(order: list[tuple[str, str]], parts: Sequence[int]) -> list[tuple[tuple[str, str], int]]:
+    """The runs of a level's fixed-work cells, each with its request count: with two parts,
+    every configuration's first part in `order`, then every second part in reverse (A B C C B A);
+    with more, round r runs `order` rotated by r (A B C, B C A, C A B).
 
     Cells one after another are not alike: held cells of speculation off at 16 sessions on one
     stack read 128.6, 116.6, 119.0 and 110.8 tok/s in one sequence with other cells between them
     (the first cell of a level fastest), and in the first run of the bench speculation off always
     runs first and auto last. Mirrored, a drift that is linear over the level's minutes costs
-    every configuration the same."""
-    return [(config, halves[0]) for config in order] + [(config, halves[1]) for config in reversed(order)]
+    every configuration the same; but the machine also swings by itself (a fixed matrix product
+    ran at 147 to 202 per second in 2-s windows of one idle minute), and mirrored halves of the
+    configuration in the middle run back to back, in one swing. Rotated with as many rounds as
+    configurations (a Latin square), every configuration runs once in every slot of a round (as
+    balanced for a linear drift) and never twice in a row."""
+    if len(parts) == 2:
+        return [(config, parts[0]) for config in order] + [(config, parts[1]) for config in reversed(order)]
+    n = len(order)
+    return [(order[(r + i) % n], size) for r, size in enumerate(parts) for i in range(n)]
 
 
 def _cell(gen: LoadGenerator, concurrency: int, spec: LoadSpec, seconds: float, stagger: float,
@@ -293,7 +309,7 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
         "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "method": args.method,
                      "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline,
                      "window_seconds": args.window_seconds, "stagger_seconds": args.stagger_seconds,
-                     "cell_requests": args.cell_requests},
+                     "cell_requests": args.cell_requests, "cell_parts": args.cell_parts},
     }
 
 
@@ -301,7 +317,8 @@ def render(report: dict) -> str:
     s = report["settings"]
     if s.get("cell_requests"):
         higher = (f"{s['cell_requests']} requests through the closed loop at the highest concurrency (in "
-                  "proportion below, at least one per client), tokens/s over their wall time")
+                  "proportion below, at least one per client), tokens/s over their wall time, run in "
+                  f"{s.get('cell_parts', 2)} parts interleaved with the other configurations'")
     else:
         higher = (f"held at that concurrency, tokens/s over a window after the opening prefills "
                   f"({s.get('window_seconds', 0):g} s at the highest concurrency, in proportion below, at least "

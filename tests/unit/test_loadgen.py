@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.bench_load import best_fixed, cell_order, cell_requests, cell_window, half_requests, mirrored
+from coordinator.bench_load import best_fixed, cell_order, cell_requests, cell_window, interleaved, split_requests
 from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
 
@@ -94,19 +94,39 @@ def test_fixed_work_cells_scale_their_requests_with_concurrency_at_least_one_per
     assert cell_requests(0, 16, 16) == 0  # 0: timed windows
 
 
-def test_fixed_work_cells_run_in_mirrored_halves_so_a_linear_drift_costs_every_configuration_alike() -> None:
-    assert half_requests(48, 16) == (24, 24)
-    assert half_requests(6, 2) == (3, 3)
-    assert half_requests(17, 16) == (16, 16)  # each half keeps every client busy
-    order = [("off", "0"), ("k2", "2"), ("auto", "auto")]
-    runs = mirrored(order, (24, 25))
-    assert [c[0] for c, _ in runs] == ["off", "k2", "auto", "auto", "k2", "off"]
-    assert [n for _, n in runs] == [24, 24, 24, 25, 25, 25]
-    # a machine that slows by one unit per run: every configuration's slots add up to the same
+def _slot_sums(runs) -> dict[str, int]:
+    """Per configuration, the sum of its slots: equal for all when a machine that slows by one
+    unit per run costs every configuration the same."""
     slots: dict[str, int] = {}
     for t, ((name, _), _) in enumerate(runs):
         slots[name] = slots.get(name, 0) + t
-    assert len(set(slots.values())) == 1, slots
+    return slots
+
+
+def test_fixed_work_cells_run_in_mirrored_halves_so_a_linear_drift_costs_every_configuration_alike() -> None:
+    assert split_requests(48, 16) == [24, 24]
+    assert split_requests(6, 2) == [3, 3]
+    assert split_requests(17, 16) == [17]  # two halves would leave clients idle: one part
+    order = [("off", "0"), ("k2", "2"), ("auto", "auto")]
+    runs = interleaved(order, [24, 25])
+    assert [c[0] for c, _ in runs] == ["off", "k2", "auto", "auto", "k2", "off"]
+    assert [n for _, n in runs] == [24, 24, 24, 25, 25, 25]
+    assert len(set(_slot_sums(runs).values())) == 1, _slot_sums(runs)
+
+
+def test_more_parts_rotate_a_latin_square_where_no_configuration_runs_twice_in_a_row() -> None:
+    assert split_requests(64, 16, 4) == [16, 16, 16, 16]
+    assert split_requests(50, 16, 4) == [17, 17, 16]  # as many parts as keep every client busy
+    assert sum(split_requests(50, 16, 4)) == 50
+    order = [("off", "0"), ("k2", "2"), ("k4", "4"), ("auto", "auto")]
+    runs = interleaved(order, [16, 16, 16, 16])
+    names = [c[0] for c, _ in runs]
+    assert names[:8] == ["off", "k2", "k4", "auto", "k2", "k4", "auto", "off"]
+    assert all(a != b for a, b in zip(names, names[1:]))
+    for slot in range(4):  # every configuration once in every slot of a round
+        assert sorted(names[r * 4 + slot] for r in range(4)) == sorted(n for n, _ in order)
+    assert len(set(_slot_sums(runs).values())) == 1, _slot_sums(runs)
+    assert all(n == 16 for _, n in runs)
 
 
 def test_cell_windows_grow_with_concurrency_from_five_seconds() -> None:
