@@ -57,6 +57,10 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
                         "client: 2 mirrored (A B C C B A); more, each round's order rotated by one (with as many "
                         "parts as configurations a Latin square: every configuration once in every slot, none twice "
                         "in a row), so that the machine's swings fall on the configurations alike (default 2)")
+    p.add_argument("--c1-passes", type=int, default=1,
+                   help="at concurrency 1 each configuration runs the kind's prompts this many times, in passes "
+                        "interleaved like --cell-parts: a kind's cell is 2-5 prompts, a few seconds, and the machine "
+                        "swings by 15 %% over seconds (default 1)")
     p.add_argument("--stagger-seconds", type=float, default=0.2,
                    help="at concurrency >= 2, client i sends its first request i times this late, so that "
                         "requests do not run in step (default 0.2)")
@@ -124,6 +128,8 @@ def run_bench_load(args: argparse.Namespace) -> int:
                     line = {}
                     requests = cell_requests(args.cell_requests, conc, max(levels))
                     split = split_requests(requests, conc, args.cell_parts) if conc > 1 and requests else None
+                    if conc == 1 and args.c1_passes > 1:  # every prompt once per pass, passes interleaved
+                        split = [len(gens[kind].prompts)] * args.c1_passes
                     parts: dict[str, list] = defaultdict(list)
                     order = cell_order(configs, run)
                     if split is not None:  # fixed work in parts, interleaved (`interleaved`)
@@ -309,7 +315,8 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
         "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "method": args.method,
                      "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline,
                      "window_seconds": args.window_seconds, "stagger_seconds": args.stagger_seconds,
-                     "cell_requests": args.cell_requests, "cell_parts": args.cell_parts},
+                     "cell_requests": args.cell_requests, "cell_parts": args.cell_parts,
+                     "c1_passes": args.c1_passes},
     }
 
 
@@ -323,8 +330,11 @@ def render(report: dict) -> str:
         higher = (f"held at that concurrency, tokens/s over a window after the opening prefills "
                   f"({s.get('window_seconds', 0):g} s at the highest concurrency, in proportion below, at least "
                   f"5 s; clients started {s.get('stagger_seconds', 0):g} s apart)")
+    passes = s.get("c1_passes", 1)
+    low = (f"every prompt once per pass, {passes} passes interleaved with the other configurations'" if passes > 1
+           else "every prompt once, in turn")
     lines = [f"Closed loop, method {s['method']}, max_tokens {s['max_tokens']}, pipeline {s['pipeline']}, "
-             f"medians of {s['runs']} run(s); concurrency 1: every prompt once, in turn; higher: {higher}. "
+             f"medians of {s['runs']} run(s); concurrency 1: {low}; higher: {higher}. "
              "Tokens/s (p50 inter-token latency, ms):", ""]
     configs = list(next(iter(next(iter(report["tokens_per_s"].values())).values())))
     lines.append("| kind | c | " + " | ".join(configs) + " | auto mean k |")
