@@ -217,9 +217,10 @@ def best_depth(
     return k, rates[k]
 
 
-def batch_margin(margin: float, batch_size: int) -> float:
+def batch_margin(margin: float, batch_size: int, packed: bool = False) -> float:
     """The margin by which speculating must beat plain decoding in a pass of `batch_size` rows:
-    `margin` times sqrt(batch_size).
+    `margin` times sqrt(batch_size), or batch_size ** 0.25 where the pass is packed (at 16 rows
+    and the default 5 %: 20 % and 10 %).
 
     In a batch the depth is one decision for every row: a wrong "on" lengthens the pass for all
     of them, and the estimates it rests on are the weakest there (verify cells of long blocks at
@@ -227,8 +228,16 @@ def batch_margin(margin: float, batch_size: int) -> float:
     round trips, which the per-session draft cost does not see). On this project's CPU machines
     the model's gain of speculating at batch 16 with chat-like acceptance was a few percent where
     the bench measured a loss of 5-12 %; sqrt(16) x 5 % = 20 % keeps those off while code
-    editing (a 30 % gain and more) stays on."""
-    return margin * math.sqrt(max(int(batch_size), 1))
+    editing (a 30 % gain and more) stays on, and keeps a padded pass of half copiers and half
+    not plain (the others would run at a fraction of their speed).
+
+    A packed pass prices this session's positions alone (`packed_rates`), and once the cost model
+    counted each pass once and stopped fitting lines through single slow passes
+    (`CostModel.observe_verify`, `_observed_line`), the DEBUG log of held code-edit cells at 16
+    sessions showed sessions at acceptance 0.7-0.8, whose model gain was 11-19 %, kept at k = 0
+    for a third of their steps while fixed k = 2 ran 10-18 % over speculation off."""
+    growth = max(int(batch_size), 1) ** (0.25 if packed else 0.5)
+    return margin * growth
 
 
 def _argbest(rates: Sequence[float], margin: float) -> int:
@@ -438,6 +447,9 @@ class _Mean:
 
 
 OUTLIER_FACTOR = 3.0
+RECENT_PASSES = 256  # pass numbers a cost model remembers, to count each pass once
+# How far from the cells' mean block length the prior's `prior_points` samples count as lying (`_observed_line`)
+PRIOR_SPREAD = 0.25
 SETTLED = 3  # samples before a cell's mean is trusted beyond its own batch size
 # Draft cost cells follow fast: a draft call's wall time swings with what shares the cores (a
 # batched verify pass), and a session at k = 0 makes no draft calls, so samples are few and an
@@ -514,19 +526,36 @@ class CostModel:
         self._open = _Mean()  # ms to open a draft session (a probe from k = 0 opens one)
         self._lines: dict[int, tuple[float, float]] = {}
         self._draft_line: tuple[float, float] | None = None
+        # the passes counted lately: their other rows' reports are skipped (a replica numbers its
+        # passes; rows of one pass come back together, so a short memory does)
+        self._recent_passes: deque[int] = deque(maxlen=RECENT_PASSES)
+        self._seen_passes: set[int] = set()
         self._lock = threading.Lock()
 
     # observations
 
     def observe_verify(self, batch_size: int, block_length: int, ms: float, positions: int = 0,
-                       packed: bool | None = None) -> None:
+                       packed: bool | None = None, pass_id: int = 0) -> None:
         """One verify pass of `batch_size` rows took `ms`: padded to `block_length` positions, or
         (`positions` > 0) computing that many positions, all rows together. `packed`: what the
-        replica said about its passes (None: nothing)."""
+        replica said about its passes (None: nothing).
+
+        `pass_id` (0: unknown): the pass's number on the replica. Every row of a pass reports it,
+        and a pass counts once: counted per row, one pass of 16 rows was 16 samples, a cell was
+        "settled" (`SETTLED`) by a single pass and its window held its last four, and at 16
+        sessions one slow pass at a new block length set a line that priced a draft position at
+        6.5 ms where the replica's own means said 1.8 (code edits then stayed at k = 0 to the end)."""
         extra = (positions if positions > 0 else batch_size * block_length) - batch_size
         if batch_size < 1 or block_length < 1 or extra < 0 or not ms >= 0:
             return  # a malformed report should not poison the model
         with self._lock:
+            if pass_id:
+                if pass_id in self._seen_passes:
+                    return
+                if len(self._recent_passes) == self._recent_passes.maxlen:
+                    self._seen_passes.discard(self._recent_passes[0])
+                self._recent_passes.append(pass_id)
+                self._seen_passes.add(pass_id)
             if packed is not None:
                 self.packed = packed
             cell = self._verify.setdefault(batch_size, {}).setdefault(extra, _Mean())
@@ -598,18 +627,28 @@ class CostModel:
     def _observed_line(self, b: int) -> tuple[float, float]:
         """The line through the cells at b. Its slope (cost per extra position) is the weighted
         least-squares slope shrunk toward the prior's slope scaled to the cells' level, with the
-        prior counting as `prior_points` samples: a few noisy samples (a pass that shared the
-        cores with something else) cannot tilt the line wildly, many samples outweigh the prior.
-        One cell alone gives the prior's shape through it.
+        prior counting as `prior_points` samples one block length from the cells' mean: what a
+        fitted slope is worth grows with the samples and with how far apart their block lengths
+        are (their weighted sum of squares), so a few noisy samples (a pass that shared the cores
+        with something else) cannot tilt the line wildly, and neither can two passes of nearly
+        one length (at 16 rows, single passes of 45 and 48 positions, 196 and 216 ms, made a
+        slope of 6 ms a position where the replica's means said 2). One cell alone gives the
+        prior's shape through it.
 
         The line is fitted to the passes with draft positions when any were seen: a one-token
         pass takes the model's decode path, and on this project's CPU machines a block of 2 cost
         about 25 ms more than one of 1 at batch 1 while 9 cost little more than 2 (65, ~90, ~100
         ms), so a line through 1 and 3 predicted 9 at twice its cost. `verify_ms(1, b)` reads the
-        one-token cell itself."""
+        one-token cell itself. Where two or more cells are settled (`SETTLED` passes each), the
+        line goes through those alone: packed passes at 16 rows bring a new total of positions
+        almost every pass, and a cell of one slow pass at the edge of the range pulled the slope
+        to twice what the settled cells said."""
         cells = self._verify[b]
         if any(e > 0 for e in cells):
             cells = {e: c for e, c in cells.items() if e > 0}
+        settled = {e: c for e, c in cells.items() if c.count >= SETTLED}
+        if len(settled) >= 2:  # a pass or two at a new block length must not tilt the line
+            cells = settled
         c0, m0 = self._prior_line(b)
         points = [(1.0 + e / b, c.mean, c.weight(self.window)) for e, c in cells.items()]
         total = sum(w for _, _, w in points)
@@ -618,9 +657,11 @@ class CostModel:
         if prior_slope is None:
             prior_slope = m0 * scale
         fit = _fit_line(points)
-        slope = prior_slope if fit is None else (total * fit[1] + self.prior_points * prior_slope) / (total + self.prior_points)
         mean_n = sum(n * w for n, _, w in points) / total
         mean_y = sum(y * w for _, y, w in points) / total
+        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
+        prior = self.prior_points * PRIOR_SPREAD ** 2
+        slope = prior_slope if fit is None else (spread * fit[1] + prior * prior_slope) / (spread + prior)
         return mean_y - slope * (mean_n - 1.0), slope
 
     def _borrowed_slope(self, b: int) -> float | None:
@@ -1223,7 +1264,7 @@ class DepthController:
         rates, b = self._rates(alpha, load, optimistic, fill)
         if b > 1:  # in a batch, depth grows by doubling what has been seen (`_depth_reach`)
             rates = rates[: self._depth_reach() + 1]
-        best = _argbest(rates, batch_margin(self.margin, b))
+        best = _argbest(rates, batch_margin(self.margin, b, self._packed(b)))
         if optimistic is None and log.isEnabledFor(logging.DEBUG):
             cm = self.cost_model
             log.debug("depth: session %x step %d k %s alpha %.2f profile %s b %d verify %s draft %s "
@@ -1406,7 +1447,7 @@ class DepthController:
         saved = 0.0
         for alpha, fill in sessions:
             rates, b = self._rates(alpha, load, alpha, fill)
-            chosen = rates[_argbest(rates, batch_margin(self.margin, b))]  # what the policy would run
+            chosen = rates[_argbest(rates, batch_margin(self.margin, b, self._packed(b)))]  # what the policy would run
             if rates[0] > 0 and chosen > rates[0]:
                 saved += 1.0 / rates[0] - 1.0 / chosen
         saving = saved / len(sessions)
@@ -1426,7 +1467,7 @@ class DepthController:
     def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int,
                 pass_block_length: int = 0, compute_ms: float | None = None, requested: int | None = None,
                 echo: bool = False, open_ms: float = 0.0, pass_positions: int = 0,
-                packed: bool | None = None) -> None:
+                packed: bool | None = None, pass_id: int = 0) -> None:
         """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size,
         and the positions per row of its pass (the longest block in the batch, which is what the
         pass cost; 0 when the target did not say, then this block's k + 1).
@@ -1448,7 +1489,9 @@ class DepthController:
         what a probe from k = 0 costs on top, `_probe_step_ms`).
 
         `pass_positions`: the positions the pass computed, all rows together (0: not reported;
-        then it was padded to its longest block); `packed`: whether the replica packs its passes.
+        then it was padded to its longest block); `packed`: whether the replica packs its passes;
+        `pass_id`: the pass's number on the replica, which every row of it reports (0: not
+        reported): the cost model counts the pass once (`CostModel.observe_verify`).
 
         `echo` (a step that drafted nothing): whether the token it produced was the one that
         followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
@@ -1479,9 +1522,9 @@ class DepthController:
             self.cost_model.observe_open(open_ms)
         block = max(pass_block_length, k + 1)
         if compute_ms is None:
-            self.cost_model.observe_verify(batch_size, block, verify_ms, pass_positions, packed)
+            self.cost_model.observe_verify(batch_size, block, verify_ms, pass_positions, packed, pass_id)
         else:
-            self.cost_model.observe_verify(batch_size, block, compute_ms, pass_positions, packed)
+            self.cost_model.observe_verify(batch_size, block, compute_ms, pass_positions, packed, pass_id)
             self.cost_model.observe_overhead(max(verify_ms - compute_ms, 0.0))
         self.batch_size = max(int(batch_size), 1)
 

@@ -267,7 +267,8 @@ class SpeculativeEngine:
                                            compute_ms=getattr(outcome, "compute_ms", None), requested=k,
                                            echo=echo_hit(guess, outcome.tokens), open_ms=open_s * 1000,
                                            pass_positions=getattr(outcome, "pass_positions", 0),
-                                           packed=getattr(outcome, "packed", None))
+                                           packed=getattr(outcome, "packed", None),
+                                           pass_id=getattr(outcome, "pass_id", 0))
                 if draft is not None:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)

@@ -151,6 +151,7 @@ class RemoteVerifyOutcome(VerifyOutcome):
     pass_positions: int = 0  # positions the pass computed, all rows together (0: not reported)
     packed: bool = False  # the replica packs rows of different block lengths (a block costs only its own positions)
     compute_ms: float | None = None  # the pass's time as the replica measured it
+    pass_id: int = 0  # the pass's number on the replica (0: not reported); the rows of a pass share it
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -234,7 +235,8 @@ class RemoteTargetSession:
         return RemoteVerifyOutcome(num_accepted=reply.num_accepted, tokens=list(reply.token_ids),
                                    batch_size=max(int(reply.batch_size), 1), queue_ms=max(float(reply.queue_ms), 0.0),
                                    pass_block_length=int(reply.pass_block_length), pass_positions=int(reply.pass_positions),
-                                   packed=bool(reply.packed), compute_ms=max(float(reply.verify_ms), 0.0))
+                                   packed=bool(reply.packed), compute_ms=max(float(reply.verify_ms), 0.0),
+                                   pass_id=int(reply.pass_id))
 
     def close(self) -> None:
         if not self.stream.closed:

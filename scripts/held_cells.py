@@ -52,6 +52,9 @@ def main() -> None:
                         help="comma list of kinds to run first, unmeasured (each config once, as the cells): "
                              "the state a kind meets in `specd bench-load`, which runs the kinds in turn")
     parser.add_argument("--method", default="ngram", help="drafting method of the stack and every cell (default ngram)")
+    parser.add_argument("--debug-log", action="store_true",
+                        help="run the coordinator at --log-level DEBUG (each session's depth choices, with the cost "
+                             "model's verify estimates and rates); the log directory is printed at the start")
     parser.add_argument("--show-steps", action="store_true",
                         help="also print each request's k per step and accepted tokens, in finishing order")
     args = parser.parse_args()
@@ -64,7 +67,10 @@ def main() -> None:
         parser.error(str(err))
     target = load_model()
     encoded = {p.id: target.encode(p.prompt, chat=p.chat) for p in prompts}
-    stack = start_stack(Path(tempfile.mkdtemp(prefix="held-cells-")), method=args.method, k="auto")
+    log_dir = Path(tempfile.mkdtemp(prefix="held-cells-"))
+    print(f"stack logs in {log_dir}", flush=True)
+    stack = start_stack(log_dir, method=args.method, k="auto",
+                        coordinator_args=["--log-level", "DEBUG"] if args.debug_log else [])
     stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.target.address))
     services = {name: psutil.Process(getattr(stack, name).proc.pid) for name in ("target", "draft", "coordinator")}
     try:

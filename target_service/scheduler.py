@@ -44,6 +44,7 @@ class StepTiming:
     block_length: int = 1  # positions per row of the pass (the longest block in it)
     positions: int = 1  # positions the pass computed, all rows together
     packed: bool = False  # whether the replica packs rows of different block lengths
+    pass_id: int = 0  # the verify pass's number on this replica, from 1 (0: a prefill)
 
 
 class BatchStats:
@@ -101,6 +102,7 @@ class VerifyScheduler:
         self.straggler_wait_cap = max(straggler_wait_ms / 1000.0, self.batch_wait)
         self.stats = BatchStats()
         self._pass_s: float | None = None  # moving verify pass time
+        self._passes = 0  # verify passes run (each pass's rows report its number)
         self._delivered_at: dict[int, float] = {}  # session id -> when its last result was handed out
         self._queue: deque[_Work] = deque()
         self._cv = threading.Condition()
@@ -192,7 +194,10 @@ class VerifyScheduler:
         forward = getattr(self.target, "forward", None)
         positions = getattr(forward, "last_positions", 0)
         packed = bool(getattr(forward, "packed", False))
+        pass_id = 0
         if batch[0].proposal is not None:
+            self._passes += 1
+            pass_id = self._passes
             block = max(len(w.proposal.tokens) for w in batch) + 1  # type: ignore[union-attr]
             positions = positions or len(batch) * block
             self.stats.record(len(batch), block, compute_ms, positions)
@@ -207,7 +212,7 @@ class VerifyScheduler:
             self._record(batch, start, compute_ms / 1000)
         for w, result in zip(batch, results):
             w.future.set_result((result, StepTiming((start - w.enqueued) * 1000, compute_ms, len(batch), block,
-                                                    positions, packed)))
+                                                    positions, packed, pass_id)))
 
     def _record(self, batch: list[_Work], start: float, seconds: float) -> None:
         m = self.telemetry.target

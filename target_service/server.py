@@ -139,7 +139,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                             num_accepted=outcome.num_accepted, token_ids=outcome.tokens, verify_ms=timing.compute_ms,
                             batch_size=timing.batch_size, queue_ms=timing.queue_ms, context_room=max(session.room, 0),
                             pass_block_length=timing.block_length, pass_positions=timing.positions,
-                            packed=timing.packed))
+                            packed=timing.packed, pass_id=timing.pass_id))
                         if session.new_features is not None:
                             reply.verified.features.CopyFrom(features_to_proto(*session.new_features))
                         if span is not None:

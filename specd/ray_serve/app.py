@@ -153,7 +153,8 @@ class TargetDeployment:
         outcome, timing = self.scheduler.verify(session, Proposal(tokens, probs))
         return {"num_accepted": outcome.num_accepted, "tokens": list(outcome.tokens), "room": max(session.room, 0),
                 "verify_ms": timing.compute_ms, "queue_ms": timing.queue_ms, "batch_size": timing.batch_size,
-                "pass_block_length": timing.block_length, "pass_positions": timing.positions, "packed": timing.packed}
+                "pass_block_length": timing.block_length, "pass_positions": timing.positions, "packed": timing.packed,
+                "pass_id": timing.pass_id}
 
     async def verify(self, session_id: str, tokens: list[int], probs: Any = None) -> dict[str, Any]:
         return await self._run(self._verify, session_id, list(tokens), probs)

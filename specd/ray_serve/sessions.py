@@ -71,7 +71,7 @@ class RayTargetSession:
                                    batch_size=max(int(reply["batch_size"]), 1), queue_ms=max(float(reply["queue_ms"]), 0.0),
                                    pass_block_length=int(reply["pass_block_length"]),
                                    pass_positions=int(reply.get("pass_positions", 0)), packed=bool(reply.get("packed")),
-                                   compute_ms=max(float(reply["verify_ms"]), 0.0))
+                                   compute_ms=max(float(reply["verify_ms"]), 0.0), pass_id=int(reply.get("pass_id", 0)))
 
     def close(self) -> None:
         if self.closed:

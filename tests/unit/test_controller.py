@@ -19,6 +19,7 @@ from coordinator.controller import (
     LoadSignal,
     PassPeers,
     SharedAcceptance,
+    batch_margin,
     best_depth,
     depth_rates,
     expected_tokens,
@@ -231,6 +232,40 @@ def test_cost_model_resists_one_outlier() -> None:
     cm.observe_verify(1, 3, 1900.0)  # the two points alone: 825 ms per extra position
     slope = cm.verify_ms(9, 1) - cm.verify_ms(8, 1)
     assert slope < 500.0
+
+
+def _packed_passes_at_16(pass_ids: bool, slow: tuple[int, float]) -> CostModel:
+    """A packed replica's passes at 16 rows, each reported by its 16 rows (as the engine does):
+    plain 120 ms, 48 positions 180 ms, 64 positions 210 ms (1.875 ms a position), ten passes
+    each, then one slow pass at a new total of positions."""
+    cm = CostModel()
+    number = 0
+
+    def one_pass(positions: int, ms: float) -> None:
+        nonlocal number
+        number += 1
+        for _ in range(16):
+            cm.observe_verify(16, 1 if positions == 16 else 3, ms, positions=positions, packed=True,
+                              pass_id=number if pass_ids else 0)
+
+    for _ in range(20):
+        one_pass(16, 120.0)
+    for _ in range(10):
+        one_pass(48, 180.0)
+        one_pass(64, 210.0)
+    one_pass(*slow)
+    return cm
+
+
+def test_a_pass_counts_once_and_one_slow_pass_does_not_tilt_the_line() -> None:
+    """At 16 sessions one slow pass at a new block length, counted once per row, weighed as 16
+    samples and priced a position at several times its cost (code edits stayed at k = 0)."""
+    numbered = _packed_passes_at_16(True, (72, 400.0))
+    assert numbered.position_ms(16) == pytest.approx(1.875, rel=0.1)
+    assert _packed_passes_at_16(False, (72, 400.0)).position_ms(16) > 2 * numbered.position_ms(16)
+    # the rows of one pass are one sample: three passes settle a cell, not three rows of one
+    assert sorted((positions, count) for _, _, count, _, positions in numbered.verify_table()) == [
+        (16, 20), (48, 10), (64, 10), (72, 1)]
 
 
 def test_cost_model_tracks_drift_and_ignores_garbage() -> None:
@@ -1061,6 +1096,23 @@ def test_in_a_packed_batch_each_session_chooses_its_own_depth() -> None:
     assert all(k >= 3 for k in ks[:8]) and all(k == 0 for k in ks[8:]), ks
     copiers = controllers_on_one_replica([0.95] * 16, cm)
     assert copiers[0].target(load) == ks[0]
+
+
+def test_a_packed_pass_speculates_on_a_gain_of_more_than_ten_percent_at_16_rows() -> None:
+    """In a packed pass a session's block costs every row its own positions only, and the margin at
+    16 rows is 10 %, not the 20 % a padded pass keeps: a code edit at acceptance 0.85 (k = 2 about
+    15 % over plain by the model) speculates; at 0.3 it stays plain."""
+    assert batch_margin(0.05, 16) == pytest.approx(0.20)
+    assert batch_margin(0.05, 16, packed=True) == pytest.approx(0.10)
+    assert batch_margin(0.05, 1, packed=True) == batch_margin(0.05, 1) == pytest.approx(0.05)
+    cm = packed_cost_model()
+    load = LoadSignal(0, 16)
+    editors = controllers_on_one_replica([0.85] * 16, cm)
+    rates, b = editors[0]._rates(0.85, load)
+    assert b == 16 and 1.10 < max(rates) / rates[0] < 1.20  # what the 20 % margin kept off
+    assert editors[0].target(load) > 0
+    chatters = controllers_on_one_replica([0.3] * 16, cm)
+    assert chatters[0].target(load) == 0
 
 
 def test_a_packed_batch_probes_without_waiting_for_a_probe_pass() -> None:
