@@ -217,10 +217,9 @@ def best_depth(
     return k, rates[k]
 
 
-def batch_margin(margin: float, batch_size: int, packed: bool = False) -> float:
+def batch_margin(margin: float, batch_size: int) -> float:
     """The margin by which speculating must beat plain decoding in a pass of `batch_size` rows:
-    `margin` times sqrt(batch_size), or batch_size ** 0.25 where the pass is packed (at 16 rows
-    and the default 5 %: 20 % and 10 %).
+    `margin` times sqrt(batch_size).
 
     In a batch the depth is one decision for every row: a wrong "on" lengthens the pass for all
     of them, and the estimates it rests on are the weakest there (verify cells of long blocks at
@@ -228,16 +227,12 @@ def batch_margin(margin: float, batch_size: int, packed: bool = False) -> float:
     round trips, which the per-session draft cost does not see). On this project's CPU machines
     the model's gain of speculating at batch 16 with chat-like acceptance was a few percent where
     the bench measured a loss of 5-12 %; sqrt(16) x 5 % = 20 % keeps those off while code
-    editing (a 30 % gain and more) stays on, and keeps a padded pass of half copiers and half
-    not plain (the others would run at a fraction of their speed).
+    editing (a 30 % gain and more) stays on.
 
-    A packed pass prices this session's positions alone (`packed_rates`), and once the cost model
-    counted each pass once and stopped fitting lines through single slow passes
-    (`CostModel.observe_verify`, `_observed_line`), the DEBUG log of held code-edit cells at 16
-    sessions showed sessions at acceptance 0.7-0.8, whose model gain was 11-19 %, kept at k = 0
-    for a third of their steps while fixed k = 2 ran 10-18 % over speculation off."""
-    growth = max(int(batch_size), 1) ** (0.25 if packed else 0.5)
-    return margin * growth
+    A smaller margin for packed passes (batch_size ** 0.25, 10 % at 16 rows) was measured on
+    2026-12-01 and dropped: code edits at 16 sessions drafted more (mean k 1.8) and ran at 0.97x
+    speculation off and 0.85x fixed k = 4, extraction at 0.88x off (docs/benchmarks.md)."""
+    return margin * math.sqrt(max(int(batch_size), 1))
 
 
 def _argbest(rates: Sequence[float], margin: float) -> int:
@@ -1264,7 +1259,7 @@ class DepthController:
         rates, b = self._rates(alpha, load, optimistic, fill)
         if b > 1:  # in a batch, depth grows by doubling what has been seen (`_depth_reach`)
             rates = rates[: self._depth_reach() + 1]
-        best = _argbest(rates, batch_margin(self.margin, b, self._packed(b)))
+        best = _argbest(rates, batch_margin(self.margin, b))
         if optimistic is None and log.isEnabledFor(logging.DEBUG):
             cm = self.cost_model
             log.debug("depth: session %x step %d k %s alpha %.2f profile %s b %d verify %s draft %s "
@@ -1447,7 +1442,7 @@ class DepthController:
         saved = 0.0
         for alpha, fill in sessions:
             rates, b = self._rates(alpha, load, alpha, fill)
-            chosen = rates[_argbest(rates, batch_margin(self.margin, b, self._packed(b)))]  # what the policy would run
+            chosen = rates[_argbest(rates, batch_margin(self.margin, b))]  # what the policy would run
             if rates[0] > 0 and chosen > rates[0]:
                 saved += 1.0 / rates[0] - 1.0 / chosen
         saving = saved / len(sessions)

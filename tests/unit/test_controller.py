@@ -19,7 +19,6 @@ from coordinator.controller import (
     LoadSignal,
     PassPeers,
     SharedAcceptance,
-    batch_margin,
     best_depth,
     depth_rates,
     expected_tokens,
@@ -1096,23 +1095,6 @@ def test_in_a_packed_batch_each_session_chooses_its_own_depth() -> None:
     assert all(k >= 3 for k in ks[:8]) and all(k == 0 for k in ks[8:]), ks
     copiers = controllers_on_one_replica([0.95] * 16, cm)
     assert copiers[0].target(load) == ks[0]
-
-
-def test_a_packed_pass_speculates_on_a_gain_of_more_than_ten_percent_at_16_rows() -> None:
-    """In a packed pass a session's block costs every row its own positions only, and the margin at
-    16 rows is 10 %, not the 20 % a padded pass keeps: a code edit at acceptance 0.85 (k = 2 about
-    15 % over plain by the model) speculates; at 0.3 it stays plain."""
-    assert batch_margin(0.05, 16) == pytest.approx(0.20)
-    assert batch_margin(0.05, 16, packed=True) == pytest.approx(0.10)
-    assert batch_margin(0.05, 1, packed=True) == batch_margin(0.05, 1) == pytest.approx(0.05)
-    cm = packed_cost_model()
-    load = LoadSignal(0, 16)
-    editors = controllers_on_one_replica([0.85] * 16, cm)
-    rates, b = editors[0]._rates(0.85, load)
-    assert b == 16 and 1.10 < max(rates) / rates[0] < 1.20  # what the 20 % margin kept off
-    assert editors[0].target(load) > 0
-    chatters = controllers_on_one_replica([0.3] * 16, cm)
-    assert chatters[0].target(load) == 0
 
 
 def test_a_packed_batch_probes_without_waiting_for_a_probe_pass() -> None:
