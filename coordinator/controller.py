@@ -622,9 +622,9 @@ class CostModel:
     def _observed_line(self, b: int) -> tuple[float, float]:
         """The line through the cells at b. Its slope (cost per extra position) is the weighted
         least-squares slope shrunk toward the prior's slope scaled to the cells' level, with the
-        prior counting as `prior_points` samples one block length from the cells' mean: what a
-        fitted slope is worth grows with the samples and with how far apart their block lengths
-        are (their weighted sum of squares), so a few noisy samples (a pass that shared the cores
+        prior counting as `prior_points` samples `PRIOR_SPREAD` block lengths from the cells'
+        mean: what a fitted slope is worth grows with the samples and with how far apart their
+        block lengths are (their weighted sum of squares), so a few noisy samples (a pass that shared the cores
         with something else) cannot tilt the line wildly, and neither can two passes of nearly
         one length (at 16 rows, single passes of 45 and 48 positions, 196 and 216 ms, made a
         slope of 6 ms a position where the replica's means said 2). One cell alone gives the
