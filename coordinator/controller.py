@@ -624,9 +624,9 @@ class CostModel:
         least-squares slope shrunk toward the prior's slope scaled to the cells' level, with the
         prior counting as `prior_points` samples `PRIOR_SPREAD` block lengths from the cells'
         mean: what a fitted slope is worth grows with the samples and with how far apart their
-        block lengths are (their weighted sum of squares), so a few noisy samples (a pass that shared the cores
-        with something else) cannot tilt the line wildly, and neither can two passes of nearly
-        one length (at 16 rows, single passes of 45 and 48 positions, 196 and 216 ms, made a
+        block lengths are (their weighted sum of squares), so a few noisy samples (a pass that
+        shared the cores with something else) cannot tilt the line wildly, and neither can two
+        passes of nearly one length (at 16 rows, single passes of 45 and 48 positions, 196 and 216 ms, made a
         slope of 6 ms a position where the replica's means said 2). One cell alone gives the
         prior's shape through it.
 
@@ -1516,10 +1516,9 @@ class DepthController:
         if open_ms > 0:
             self.cost_model.observe_open(open_ms)
         block = max(pass_block_length, k + 1)
-        if compute_ms is None:
-            self.cost_model.observe_verify(batch_size, block, verify_ms, pass_positions, packed, pass_id)
-        else:
-            self.cost_model.observe_verify(batch_size, block, compute_ms, pass_positions, packed, pass_id)
+        pass_ms = verify_ms if compute_ms is None else compute_ms
+        self.cost_model.observe_verify(batch_size, block, pass_ms, pass_positions, packed, pass_id)
+        if compute_ms is not None:
             self.cost_model.observe_overhead(max(verify_ms - compute_ms, 0.0))
         self.batch_size = max(int(batch_size), 1)
 
