@@ -4,9 +4,11 @@
 
 Times one pass of the bundled target over `--batch` sessions with `--cached` tokens each, for
 several mixes of block lengths (plain decoding, one session verifying a block of 3 or 9 among
-decode rows, a quarter or half of the batch speculating, every row at 3), two ways, interleaved,
-median of 7 passes each: padded to the longest block (`BatchedForward(packed=False)`) and packed
-(target_service/packed_attention.py). Before timing, it checks that both give every row the same
+decode rows, a quarter or half of the batch speculating, every row at 3, mixes of 4 to 7 and of
+fixed k = 4 where some drafts came back short), three ways, interleaved, median of 7 passes each:
+padded to the longest block (`BatchedForward(packed=False)`), packed
+(target_service/packed_attention.py) and packed with attention by rows (each row's first token in
+one call, the rest of each block in a call of its own: `grid_length` held at 1). Before timing, it checks that both give every row the same
 greedy tokens. Then a prefill of `--prefill` tokens from position 0, with the fused causal
 attention (`causal_attention`) and through the model's own attention with the explicit mask.
 """
@@ -19,6 +21,7 @@ import timeit
 
 import torch
 
+import target_service.packed_attention as packed_attention
 from specd.config import LINEAR_KERNELS
 from specd.cpu_kernels import use_linear_kernel
 from specd.models import load_model
@@ -34,6 +37,9 @@ def mixes(batch: int) -> dict[str, list[int]]:
         "a quarter at 3": [3] * quarter + [1] * (batch - quarter),
         "half at 5": [5] * half + [1] * (batch - half),
         "every row at 3": [3] * batch,
+        "4 to 7": [4 + b % 4 for b in range(batch)],
+        "k4, some short": [(5, 5, 3, 5, 1, 5, 5, 2)[b % 8] for b in range(batch)],
+        "k4, one at 12": [12] + [(5, 5, 3, 5, 1, 5, 5, 2)[b % 8] for b in range(1, batch)],
     }
 
 
@@ -44,6 +50,16 @@ def rows_for(blocks: list[int], cached: int) -> list[RowInput]:
 def pass_ms(forward: BatchedForward, rows: list[RowInput], passes: int = 7) -> float:
     forward.run(rows)  # warm
     return statistics.median(timeit.repeat(lambda: forward.run(rows), number=1, repeat=passes)) * 1000
+
+
+def by_rows_ms(forward: BatchedForward, rows: list[RowInput]) -> float:
+    """`pass_ms` of a packed pass whose attention runs each row's extra tokens in a call of its own."""
+    chosen = packed_attention.grid_length
+    packed_attention.grid_length = lambda lengths, row_call=0.0: 1
+    try:
+        return pass_ms(forward, rows)
+    finally:
+        packed_attention.grid_length = chosen
 
 
 def prefill_ms(forward: BatchedForward, tokens: int, causal: bool, passes: int = 5) -> float:
@@ -84,7 +100,8 @@ def main() -> None:
         for name, blocks in mixes(args.batch).items():
             rows = rows_for(blocks, args.cached)
             print(f"rep {rep + 1} {name:<15} ({sum(blocks):>3} positions): padded {pass_ms(padded, rows):6.1f} | "
-                  f"packed {pass_ms(packed, rows):6.1f}", flush=True)
+                  f"packed {pass_ms(packed, rows):6.1f} (grid of {packed_attention.grid_length(blocks)}) | "
+                  f"by rows {by_rows_ms(packed, rows):6.1f}", flush=True)
     lengths = [int(n) for n in args.prefill.split(",") if n]
     if lengths:
         packed.pool.ensure_capacity(max(lengths) + 16)

@@ -36,14 +36,48 @@ class Packing:
     offsets: tuple[int, ...]
     firsts: torch.Tensor  # [rows] long: each row's first token in the packed sequence
     uniform: bool  # every row brings as many tokens: the packed sequence is the padded grid
+    # the grid's block length (`grid_length`), and where each packed token inside it sits: (row, index)
+    grid: int = 1
+    grid_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, lengths: list[int], device: torch.device) -> "Packing":
         offsets = [0]
         for n in lengths[:-1]:
             offsets.append(offsets[-1] + n)
+        uniform = len(set(lengths)) == 1
+        grid = max(lengths) if uniform else grid_length(lengths)
+        index = None
+        if not uniform and grid > 1:
+            rows = [b for b, n in enumerate(lengths) for _ in range(min(n, grid))]
+            cols = [i for n in lengths for i in range(min(n, grid))]
+            index = (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device))
         return cls(tuple(lengths), tuple(offsets), torch.tensor(offsets, dtype=torch.long, device=device),
-                   len(set(lengths)) == 1)
+                   uniform, grid, index)
+
+
+# What one attention call over one row's keys costs, in query positions of a batched call: fitted
+# on whole passes of the bundled target at 16 rows over 600 cached tokens (`grid_length`).
+ROW_CALL_QUERIES = 4.0
+
+
+def grid_length(lengths: list[int], row_call: float = ROW_CALL_QUERIES) -> int:
+    """How many of each row's tokens a packed pass's attention runs in one call over every row
+    (a grid of rows x c queries, shorter blocks padded, the padding's outputs dropped); the
+    tokens of longer blocks past c run in one call per row over that row's keys.
+
+    The c that minimizes the queries computed plus `row_call` per per-row call, the longest c
+    among equals. Both extremes lose somewhere: c = 1 (each row's first token together, the rest
+    row by row: 16 rows x 30 layers of small calls) made a pass of blocks of 4 to 7 at 16 rows
+    cost 320 ms where one grid took 287, and blocks of fixed k = 4 where the n-gram lacked a few
+    drafts 270 against 220; the whole grid made one block of 9 among fifteen plain rows cost 191
+    ms against 126 (16 x 9 queries for 24). Chosen this way those passes took 287, 220 and 126,
+    and a mix like auto's (blocks of 1 to 17) 258 against 262 by rows and 330 by the grid
+    (docs/benchmarks.md, "Packed attention in a grid")."""
+    def queries(c: int) -> float:
+        return len(lengths) * c + sum(n - c + row_call for n in lengths if n > c)
+
+    return min(range(1, max(lengths) + 1), key=lambda c: (queries(c), -c))
 
 
 def grouped_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -72,22 +106,31 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     row's pool entries); mask [rows, 1, n_max, L] (row b's query i sees keys 0 .. start_b + i).
     Returns [1, T, heads, d].
 
-    Every row's first token runs in one call over all rows, as in a plain decoding pass; the rest
-    of a longer block runs per row, over that row's keys alone. Padding every row to the longest
-    block instead tripled the attention work of a batch-16 pass with one 3-token block (attention
-    cost goes with the query rows), a third of the pass on a CPU."""
+    The first `packing.grid` tokens of every row run in one call over all rows (with c = 1, as in
+    a plain decoding pass), the rest of a longer block per row, over that row's keys alone
+    (`grid_length` chooses c). Padding every row to the longest block always instead tripled the
+    attention work of a batch-16 pass with one 3-token block (attention cost goes with the query
+    rows), a third of the pass on a CPU."""
     if packing.uniform:
         rows, n = len(packing.lengths), packing.lengths[0]
         grid = query[0].view(query.shape[1], rows, n, query.shape[3]).transpose(0, 1)
         return grouped_query_attention(grid, key, value, mask, scaling).reshape(1, rows * n, query.shape[1], -1)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
-    firsts = query[0, :, packing.firsts].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, d]
-    out[packing.firsts] = grouped_query_attention(firsts, key, value, mask[:, :, :1], scaling)[:, 0]
+    rows, c = len(packing.lengths), packing.grid
+    if packing.grid_index is None:  # c = 1: each row's first token
+        firsts = query[0, :, packing.firsts].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, d]
+        out[packing.firsts] = grouped_query_attention(firsts, key, value, mask[:, :, :1], scaling)[:, 0]
+    else:
+        at_row, at_col = packing.grid_index
+        inside = packing.firsts[at_row] + at_col  # the grid's tokens in the packed sequence
+        padded = query.new_zeros(rows, c, query.shape[1], query.shape[3])
+        padded[at_row, at_col] = query[0, :, inside].transpose(0, 1)
+        out[inside] = grouped_query_attention(padded.transpose(1, 2), key, value, mask[:, :, :c], scaling)[at_row, at_col]
     for b, (offset, n) in enumerate(zip(packing.offsets, packing.lengths)):
-        if n > 1:
-            rest = query[:, :, offset + 1: offset + n]
-            out[offset + 1: offset + n] = grouped_query_attention(
-                rest, key[b:b + 1], value[b:b + 1], mask[b:b + 1, :, 1:n], scaling)[0]
+        if n > c:
+            rest = query[:, :, offset + c: offset + n]
+            out[offset + c: offset + n] = grouped_query_attention(
+                rest, key[b:b + 1], value[b:b + 1], mask[b:b + 1, :, c:n], scaling)[0]
     return out.unsqueeze(0)
 
 

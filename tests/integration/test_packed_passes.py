@@ -11,7 +11,7 @@ import torch
 
 from specd.models import load_model, save_tiny_random_model
 from target_service.batch_forward import BatchedForward, RowInput
-from target_service.packed_attention import PREFIX, Packing
+from target_service.packed_attention import PREFIX, Packing, grid_length
 
 VOCAB = 48
 
@@ -37,8 +37,17 @@ def test_packing_offsets() -> None:
     assert packing.firsts.tolist() == [0, 1, 5, 6]
 
 
-@pytest.mark.parametrize("blocks", [[1, 5, 1, 1, 3, 1], [9, 1, 1, 1, 1, 1], [3, 3, 3, 3, 3, 3], [2, 7, 4, 1, 1, 6]])
+def test_the_grid_covers_most_rows_blocks_and_leaves_an_outlier_to_its_own_call() -> None:
+    assert grid_length([9] + [1] * 15) == 1  # 16 x 9 queries for 24 real ones
+    assert grid_length([4, 5, 6, 7] * 4) == 7  # one call for all, 24 padded queries
+    assert grid_length([5, 5, 3, 5, 1, 5, 12, 2, 5, 5, 4, 1, 5, 5, 5, 5]) == 5  # the 12's rest alone
+    assert grid_length([2, 7, 4, 1, 1, 6], row_call=0.0) == 1  # free calls: nothing padded
+
+
+@pytest.mark.parametrize("blocks", [[1, 5, 1, 1, 3, 1], [9, 1, 1, 1, 1, 1], [3, 3, 3, 3, 3, 3], [2, 7, 4, 1, 1, 6],
+                                    [5, 5, 3, 5, 1, 12], [4, 5, 6, 7, 4, 5]])
 def test_packed_rows_match_each_row_alone_and_the_padded_pass(tiny, blocks) -> None:
+    # grids of 1 (first tokens, then rows), 2, 5 (the 12's rest alone) and 6 (the 7's)
     rng = random.Random(sum(blocks))
     prompts = [[rng.randrange(VOCAB) for _ in range(4 + 5 * i)] for i in range(len(blocks))]
     new = [[rng.randrange(VOCAB) for _ in range(n)] for n in blocks]
