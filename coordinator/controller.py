@@ -1148,6 +1148,8 @@ class DepthController:
         self._saving_cache: tuple[tuple[int, int], float] | None = None  # (shared version, batch) -> ms/token
         # share of the asked draft tokens the proposer drafted; starts from the method's recent steps
         self.fill = _Mean(shared.fill if shared is not None else 1.0, FILL_PRIOR)
+        # within one choose(): what its probe and rate lookups share (`_memoized`); None outside
+        self._memo: dict[tuple, Any] | None = None
         self.peers = peers if mode == "auto" else None
         self._peer = self.peers.join(estimator.alpha, self.fill.mean) if self.peers is not None else 0
         self._closed = False
@@ -1235,6 +1237,10 @@ class DepthController:
         the burst ran at k = 0 to the end at 0.8x fixed k = 4. The jump is fitted on passes where
         every row brought a block, so it holds each such row's own attention calls too: split
         over the batch, it is about what one row's block adds."""
+        return self._memoized(("jump", b, plain_ms, position_ms, optimistic),
+                              lambda: self._compute_jump_share(b, plain_ms, position_ms, optimistic))
+
+    def _compute_jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None) -> float:
         jump = self.cost_model.packed_jump_ms(b)
         if jump <= 0 or self.peers is None:
             return jump
@@ -1282,6 +1288,25 @@ class DepthController:
     def choose(self, load: LoadSignal | None = None, remaining: int | None = None) -> int:
         """The depth for the next step; `remaining`: the most tokens the request may still
         produce (None: not known, then DEFAULT_HORIZON), what an early probe may pay back over."""
+        self._memo = {}
+        try:
+            return self._choose(load, remaining)
+        finally:
+            self._memo = None
+
+    def _memoized(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """`compute()`, once per key within one choose(). A session at k = 0 in a batch of 16
+        asked for a probe step's cost two or three times a step and for its share of the pass's
+        jump three or four times, each a walk over its peers: about 50 us a step, which at 16
+        sessions is nearly a millisecond in the coordinator, serialized by its interpreter lock,
+        between one pass's end and the next pass's start."""
+        if self._memo is None:
+            return compute()
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def _choose(self, load: LoadSignal | None, remaining: int | None) -> int:
         self._remaining = remaining
         target = self.target(load)
         if self._probed:  # the step before was a probe: judge it
@@ -1398,6 +1423,9 @@ class DepthController:
         """A plain step's and a probe step's estimated time at this load. A probe from k = 0
         opens the draft session too (it is closed while the session is off), which for a draft
         model is its prefill of the whole context: most of the probe's cost."""
+        return self._memoized(("probe step", load), lambda: self._compute_probe_step_ms(load))
+
+    def _compute_probe_step_ms(self, load: LoadSignal | None) -> tuple[float, float]:
         b = self._batch(load)
         cm = self.cost_model
         plain_ms = cm.verify_ms(1, b)

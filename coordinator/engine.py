@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
 from coordinator.controller import DepthController, LoadSignal
-from coordinator.echo import ECHO_METHODS, echo_guess, echo_hit
+from coordinator.echo import ECHO_METHODS, EchoLookup, echo_hit
 from coordinator.failover import (DraftLink, FailoverOutcome, FaultHook, TargetLink, TargetSessionLike,  # noqa: F401
                                   VerifierLike)
 from coordinator.stats import SpecStats
@@ -207,6 +207,7 @@ class SpeculativeEngine:
             gen.time_to_first_token = time.perf_counter() - start
             out, gen.finish_reason = stopper.accept(gen.token_ids, [first])
             gen.token_ids.extend(out)
+            echo = EchoLookup(context()) if echoing else None
             yield out
             while gen.finish_reason is None:
                 step += 1
@@ -238,7 +239,7 @@ class SpeculativeEngine:
                 ahead = None
                 if self.pipeline and draft is not None and proposal.tokens and wanted > 0:
                     ahead = draft.start_ahead(list(proposal.tokens), wanted + 1, step)
-                guess = echo_guess(context()) if echoing and not proposal.tokens else None
+                guess = echo.guess() if echo is not None and not proposal.tokens else None
                 t = time.perf_counter()
                 outcome = target.verify(proposal, gen.token_ids)
                 verify_s = time.perf_counter() - t
@@ -273,6 +274,8 @@ class SpeculativeEngine:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)
                 gen.token_ids.extend(out)
+                if echo is not None:
+                    echo.extend(out)
                 yield out
         finally:
             gen.duration = time.perf_counter() - start

@@ -5,7 +5,7 @@
 CONFIGS is a comma list of depths ("0" is speculation off, "auto" the controller, a number a fixed
 k), e.g. `python scripts/held_cells.py extract 16 0,2,auto`. Per cell it prints tokens/s, the k
 chosen per step, drafted and accepted tokens, tokens per step, the p50 time to first token and
-the CPU use of each service. `specd bench-load` runs every kind and level once per run; this
+the CPU use of each service and the target's verify passes (count, mean rows, mean time). `specd bench-load` runs every kind and level once per run; this
 repeats a few cells on one stack, where the swing between runs would hide a few percent.
 
 With `--requests N` a cell is fixed work instead of a timed window: N requests (the kind's
@@ -30,12 +30,34 @@ from coordinator.loadgen import LoadGenerator, LoadSpec, summarize
 from specd.launcher import start_stack
 from specd.models import load_model
 from specd.workloads import default_prompts_path, load_prompts, prompts_of_kind
-from specdec.v1 import target_pb2_grpc
+from specdec.v1 import target_pb2, target_pb2_grpc
 
 
 def cpu_seconds(process: psutil.Process) -> float:
     times = process.cpu_times()
     return times.user + times.system
+
+
+def verify_passes(stub: target_pb2_grpc.TargetServiceStub) -> dict[int, tuple[int, float]]:
+    """The target's verify passes so far by rows: rows -> (passes, total ms)."""
+    totals: dict[int, tuple[int, float]] = {}
+    for row in stub.GetStats(target_pb2.GetStatsRequest(), timeout=5).verify_latency:
+        count, ms = totals.get(row.batch_size, (0, 0.0))
+        totals[row.batch_size] = (count + row.count, ms + row.count * row.mean_ms)
+    return totals
+
+
+def passes_line(before: dict[int, tuple[int, float]], after: dict[int, tuple[int, float]], wall_s: float) -> str:
+    """The cell's verify passes: how many, their mean rows, their mean time, and the share of the
+    wall time the target spent in them (what the scheduler's batching left on the table)."""
+    passes = {b: (c - before.get(b, (0, 0.0))[0], ms - before.get(b, (0, 0.0))[1]) for b, (c, ms) in after.items()}
+    count = sum(c for c, _ in passes.values())
+    if count <= 0:
+        return "no verify passes"
+    rows = sum(b * c for b, (c, _) in passes.items()) / count
+    total_ms = sum(ms for _, ms in passes.values())
+    return (f"verify passes {count}, mean rows {rows:.1f}, mean {total_ms / count:.1f} ms, "
+            f"in passes {total_ms / 10 / wall_s:.0f} % of the wall time")
 
 
 def main() -> None:
@@ -89,6 +111,7 @@ def main() -> None:
             for depth in args.configs.split(","):
                 spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
                 before, start = {n: cpu_seconds(p) for n, p in services.items()}, time.time()
+                passes_before = verify_passes(stub)
                 if args.requests:
                     records, wall = gen.closed_loop(args.concurrency, args.requests, spec)
                     window = None
@@ -98,6 +121,7 @@ def main() -> None:
                 elapsed = time.time() - start
                 cpu = {n: round(100 * (cpu_seconds(p) - before[n]) / elapsed) for n, p in services.items()}
                 wait_idle(stub)
+                passes = passes_line(passes_before, verify_passes(stub), elapsed)
                 s = summarize(records, wall, window=window)
                 ks = sorted(Counter(k for r in records for k in r.k_per_step).items())
                 drafted = sum(r.num_draft_tokens for r in records)
@@ -109,6 +133,7 @@ def main() -> None:
                 print(f"    drafted {drafted}, accepted {accepted} ({accepted / max(drafted, 1):.2f}), tokens/step "
                       f"{sum(r.tokens for r in records) / max(steps, 1):.2f}, ttft p50 "
                       f"{ttft[len(ttft) // 2] * 1000 if ttft else float('nan'):.0f} ms, CPU % {cpu}", flush=True)
+                print(f"    {passes}", flush=True)
                 if args.show_steps:
                     for r in sorted(records, key=lambda r: r.done or r.sent):
                         print(f"      {r.prompt_id}: accepted {r.num_accepted_tokens}/{r.num_draft_tokens}, "

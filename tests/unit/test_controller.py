@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,7 +31,7 @@ from coordinator.controller import (
     pass_sessions,
     probe_period,
 )
-from coordinator.echo import echo_guess, echo_hit
+from coordinator.echo import EchoLookup, echo_guess, echo_hit
 
 K_MAX = 8
 
@@ -872,6 +873,18 @@ def test_echo_guess_reads_what_followed_the_last_three_tokens() -> None:
     assert echo_guess(context) == 4
     assert echo_guess([5, 2, 3, 4, 9, 1, 2, 3]) is None  # only two tokens recur: chance, not a copy
     assert echo_hit(4, [4, 7]) and not echo_hit(4, [5]) and not echo_hit(None, [4])
+
+
+def test_an_echo_lookup_grown_step_by_step_guesses_as_the_whole_context() -> None:
+    rng = random.Random(3)
+    context = [rng.randrange(6) for _ in range(20)]  # a small vocabulary: 3-grams recur
+    lookup = EchoLookup(context)
+    for _ in range(60):  # past the initial buffer of 64: it grows
+        assert lookup.guess() == echo_guess(context)
+        new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        context += new
+        lookup.extend(new)
+    assert lookup.guess() == echo_guess(context)
 
 
 def test_a_gated_session_probes_as_soon_as_its_output_echoes_its_context() -> None:
