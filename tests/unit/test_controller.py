@@ -642,6 +642,31 @@ def test_early_probes_in_a_packed_batch_wait_for_prompts_that_would_pay() -> Non
     assert fresh[1].choose(load, remaining=8) == 0
 
 
+def test_in_a_batch_a_session_that_hears_echoes_probes_on_echoes_not_on_recent_prompts() -> None:
+    """After a run of code edits the method's recent prompts say an early probe pays; at 16 rows a
+    session whose engine checks echoes waits for its output to echo the context instead (a probe
+    lengthens every row's pass), and probes once it does. Alone, it probes at its first step."""
+    load = LoadSignal(0, 16)
+    edits = shared_after_sessions([0.02] * 24 + [0.95] * 8)
+    peers = PassPeers()
+    sessions = [DepthController(K_MAX, packed_cost_model(), shared=edits, peers=peers) for _ in range(16)]
+    for s in sessions:
+        s.echoes = True
+    listener = sessions[0]
+    for _ in range(6):
+        assert listener.choose(load, remaining=31) == 0
+        listener.observe(0, 0, 0.0, 0.0, 16, pass_positions=16, packed=True, compute_ms=130.0)
+    for _ in range(ECHO_STREAK):
+        listener.observe(0, 0, 0.0, 0.0, 16, pass_positions=16, packed=True, compute_ms=130.0, echo=True)
+    assert listener.choose(load, remaining=23) > 0
+    deaf_peers = PassPeers()
+    deaf = [DepthController(K_MAX, packed_cost_model(), shared=edits, peers=deaf_peers) for _ in range(16)]
+    assert deaf[0].choose(load, remaining=31) > 0  # without echoes: the early probe, as before
+    alone = DepthController(K_MAX, packed_cost_model(), shared=edits)
+    alone.echoes = True
+    assert alone.choose(LoadSignal(0, 1), remaining=31) > 0
+
+
 def test_a_draft_no_recent_prompt_accepted_probes_only_at_the_gated_interval() -> None:
     """A useless draft (every recent session ended near 0): a new session does not probe at its
     first step nor at the early re-probes, only every `_gated_interval` steps, which keeps the
