@@ -7,9 +7,9 @@ several mixes of block lengths (plain decoding, one session verifying a block of
 decode rows, a quarter or half of the batch speculating, every row at 3, mixes of 4 to 7 and of
 fixed k = 4 where some drafts came back short), three ways, interleaved, median of 7 passes each:
 padded to the longest block (`BatchedForward(packed=False)`), packed
-(target_service/packed_attention.py) and packed with attention by rows (each row's first token in
-one call, the rest of each block in a call of its own: `grid_length` held at 1). Before timing, it checks that both give every row the same
-greedy tokens. Then a prefill of `--prefill` tokens from position 0, with the fused causal
+(target_service/packed_attention.py) and packed with attention by rows (each row's first token
+in one call, the rest of each block in a call of its own: `grid_length` held at 1). Before
+timing, it checks that padded and packed give every row the same greedy tokens. Then a prefill of `--prefill` tokens from position 0, with the fused causal
 attention (`causal_attention`) and through the model's own attention with the explicit mask.
 """
 

@@ -4,9 +4,10 @@
 
 CONFIGS is a comma list of depths ("0" is speculation off, "auto" the controller, a number a fixed
 k), e.g. `python scripts/held_cells.py extract 16 0,2,auto`. Per cell it prints tokens/s, the k
-chosen per step, drafted and accepted tokens, tokens per step, the p50 time to first token and
-the CPU use of each service and the target's verify passes (count, mean rows, mean time). `specd bench-load` runs every kind and level once per run; this
-repeats a few cells on one stack, where the swing between runs would hide a few percent.
+chosen per step, drafted and accepted tokens, tokens per step, the p50 time to first token, the
+CPU use of each service and the target's verify passes (count, mean rows, mean time). `specd
+bench-load` runs every kind and level once per run; this repeats a few cells on one stack, where
+the swing between runs would hide a few percent.
 
 With `--requests N` a cell is fixed work instead of a timed window: N requests (the kind's
 prompts in turn) through CONCURRENCY client threads, tokens/s their tokens over the wall time.

@@ -51,7 +51,8 @@ class Packing:
         if not uniform and grid > 1:
             rows = [b for b, n in enumerate(lengths) for _ in range(min(n, grid))]
             cols = [i for n in lengths for i in range(min(n, grid))]
-            index = (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device))
+            index = (torch.tensor(rows, dtype=torch.long, device=device),
+                     torch.tensor(cols, dtype=torch.long, device=device))
         return cls(tuple(lengths), tuple(offsets), torch.tensor(offsets, dtype=torch.long, device=device),
                    uniform, grid, index)
 
@@ -125,7 +126,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         inside = packing.firsts[at_row] + at_col  # the grid's tokens in the packed sequence
         padded = query.new_zeros(rows, c, query.shape[1], query.shape[3])
         padded[at_row, at_col] = query[0, :, inside].transpose(0, 1)
-        out[inside] = grouped_query_attention(padded.transpose(1, 2), key, value, mask[:, :, :c], scaling)[at_row, at_col]
+        grid = grouped_query_attention(padded.transpose(1, 2), key, value, mask[:, :, :c], scaling)
+        out[inside] = grid[at_row, at_col]
     for b, (offset, n) in enumerate(zip(packing.offsets, packing.lengths)):
         if n > c:
             rest = query[:, :, offset + c: offset + n]
