@@ -31,7 +31,7 @@ ECHO_MIN_N = 3  # shorter matches recur by chance in any text (one- and two-toke
 ECHO_MAX_N = 4
 
 
-def echo_guess(context: Sequence[int]) -> int | None:
+def echo_guess(context: Sequence[int] | np.ndarray) -> int | None:
     """The token that followed the most recent earlier occurrence of the context's last 3-4
     tokens, or None when they did not occur before."""
     found = find_ngram_continuation(context, 1, min_n=ECHO_MIN_N, max_n=ECHO_MAX_N)
@@ -62,5 +62,4 @@ class EchoLookup:
 
     def guess(self) -> int | None:
         """`echo_guess` of the context so far."""
-        found = find_ngram_continuation(self._buf[: self._n], 1, min_n=ECHO_MIN_N, max_n=ECHO_MAX_N)
-        return found[0] if found else None
+        return echo_guess(self._buf[: self._n])

@@ -199,8 +199,8 @@ class SpeculativeEngine:
         # a k = 0 step of a context drafter checks whether its token echoes the context (coordinator/echo.py)
         echoing = controller is not None and controller.mode == "auto" and self.proposer is not None \
             and self.proposer.name in ECHO_METHODS
-        if echoing:
-            controller.echoes = True  # type: ignore[union-attr]
+        if controller is not None:
+            controller.echoes = echoing
         step = 0
         try:
             first = target.prefill(gen.token_ids)
