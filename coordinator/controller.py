@@ -1210,6 +1210,14 @@ class DepthController:
             seen = max(seen, max((j + 1 for j, cap in enumerate(caps) if cap is not None), default=0))
         return max(2 * seen, self.probe_k) if seen else self.k_max
 
+    def shadow_depth(self) -> int:
+        """The depth of a shadow draft (coordinator/echo.py's `ShadowDraft`) at a k = 0 step: as
+        deep as this session could draft next. In a batch that is `_depth_reach`, so that depth
+        grows by doubling what has gone through, shadows or drafts: shadows of `k_max` = 16 from
+        code edits' copied spans sent their sessions to blocks of 16 at once, in passes of 460 ms
+        against fixed k = 4's 320, for 4.1 tokens a step against 3.2."""
+        return min(self._depth_reach(), self.k_max) if self.batch_size > 1 else self.k_max
+
     def _packed(self, batch_size: int) -> bool:
         """Whether this session's next pass is a packed one with other rows: its block then costs
         its own positions only, and it chooses its depth for itself (`packed_rates`)."""
@@ -1504,7 +1512,7 @@ class DepthController:
     def observe(self, k: int, num_accepted: int, draft_ms: float, verify_ms: float, batch_size: int,
                 pass_block_length: int = 0, compute_ms: float | None = None, requested: int | None = None,
                 echo: bool = False, open_ms: float = 0.0, pass_positions: int = 0,
-                packed: bool | None = None, pass_id: int = 0) -> None:
+                packed: bool | None = None, pass_id: int = 0, shadow: tuple[int, int] | None = None) -> None:
         """Record the step just run: k drafted, num_accepted accepted, its timings, its batch size,
         and the positions per row of its pass (the longest block in the batch, which is what the
         pass cost; 0 when the target did not say, then this block's k + 1).
@@ -1532,7 +1540,14 @@ class DepthController:
 
         `echo` (a step that drafted nothing): whether the token it produced was the one that
         followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
-        of them in a row make the next k = 0 step a probe step (more after echo probes that failed)."""
+        of them in a row make the next k = 0 step a probe step (more after echo probes that failed).
+
+        `shadow` (a step that drafted nothing): a draft the proposer would have made at an
+        earlier k = 0 step, judged on the output since, as (drafted, accepted)
+        (coordinator/echo.py's `ShadowDraft`). It is a trial like a drafted step's that cost
+        nothing, and counts as one: a session at k = 0 learns its acceptance from its own output,
+        so a copying one leaves k = 0 when its shadows say so, with no probe that lengthens
+        every row's pass, and at the depth its copies reach."""
         if num_accepted > 0:  # drafts go through: echoes are worth a probe again
             self._echo_needed = ECHO_STREAK
         elif self._echo_probe and k > 0:  # an echo probe that failed: the next one waits for more echoes
@@ -1543,7 +1558,10 @@ class DepthController:
             self._probed = False
             self._idle_steps = self._interval
         self._drafted = self._drafted or k > 0
-        self.estimator.update(k, num_accepted)
+        if k == 0 and shadow is not None:
+            self.estimator.update(*shadow)
+        else:
+            self.estimator.update(k, num_accepted)
         if requested:
             share = min(k / requested, 1.0)
             self.fill.add(share, FILL_WINDOW)

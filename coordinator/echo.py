@@ -9,6 +9,15 @@ produced. Two hits in a row mean the output has started copying (a code edit rea
 unchanged code, an answer quoting its source), which is when a probe pays; a miss or no match
 says nothing new.
 
+For the n-gram proposer the lookup knows more than a guess: the proposer's draft is a function
+of the context alone, so the block it would send is known at a k = 0 step without asking it, and
+the output of the following steps judges that block exactly as the target would have
+(`ShadowDraft`). A session at k = 0 thus keeps learning its acceptance at every position, for
+free: a code edit whose output reaches the unchanged code sees its shadows accepted whole and
+leaves k = 0 at the depth its copies reach, without the probes that at 16 sessions lengthen every
+row's pass (held cells after completions: 150-450 of ~850 steps at k = 0 before, see
+docs/benchmarks.md).
+
 The lookup is one numpy pass over the context per k = 0 step, in the coordinator: no draft call
 and no verify positions, so the disabled path still costs the replicas nothing. `EchoLookup` keeps
 the context as an array that grows with the output, so a step does not convert the whole context
@@ -22,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from draft_service.proposers.ngram import find_ngram_continuation
+from draft_service.proposers.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, find_ngram_continuation
 
 # proposers that draft by looking up the context: n-gram, suffix, and the head, which copies from
 # its context where the context repeats (draft_service/proposers/copying.py; same 3-token match)
@@ -63,3 +72,52 @@ class EchoLookup:
     def guess(self) -> int | None:
         """`echo_guess` of the context so far."""
         return echo_guess(self._buf[: self._n])
+
+    def ngram_draft(self, k: int) -> list[int]:
+        """The n-gram proposer's draft of k tokens (its default pattern lengths) from the context
+        so far: what it would send if asked now."""
+        return find_ngram_continuation(self._buf[: self._n], k, DEFAULT_MIN_N, DEFAULT_MAX_N)
+
+
+class ShadowDraft:
+    """A draft made at a k = 0 step and never sent, judged against the target's output as the
+    following steps produce it: a free trial of every position it drafted.
+
+    The n-gram proposer's draft is a function of the context alone, and the target's output is
+    the same whatever was drafted (exactness), so the block it would have drafted is accepted
+    exactly as far as it agrees with the tokens that then come: position 0 with the next token,
+    position 1 with the one after, up to the first disagreement. One shadow at a time; a step
+    that drafts for real drops it (its own block is the evidence then)."""
+
+    def __init__(self) -> None:
+        self._draft: list[int] = []
+        self._matched = 0
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._draft)
+
+    def start(self, draft: Sequence[int]) -> None:
+        self._draft, self._matched = list(draft), 0
+
+    def drop(self) -> None:
+        self._draft, self._matched = [], 0
+
+    def feed(self, produced: Sequence[int]) -> tuple[int, int] | None:
+        """Judge the draft's next positions against tokens the target produced, in order: once it
+        is decided (a disagreement, or every position agreed) (drafted, accepted) and the shadow
+        is done; before that None."""
+        for token in produced:
+            if not self._draft:
+                break
+            if token != self._draft[self._matched]:
+                return self._judged()
+            self._matched += 1
+            if self._matched == len(self._draft):
+                return self._judged()
+        return None
+
+    def _judged(self) -> tuple[int, int]:
+        result = (len(self._draft), self._matched)
+        self.drop()
+        return result

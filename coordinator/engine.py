@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
 from coordinator.controller import DepthController, LoadSignal
-from coordinator.echo import ECHO_METHODS, EchoLookup, echo_hit
+from coordinator.echo import ECHO_METHODS, EchoLookup, ShadowDraft, echo_hit
 from coordinator.failover import (DraftLink, FailoverOutcome, FaultHook, TargetLink, TargetSessionLike,  # noqa: F401
                                   VerifierLike)
 from coordinator.stats import SpecStats
@@ -201,6 +201,9 @@ class SpeculativeEngine:
             and self.proposer.name in ECHO_METHODS
         if controller is not None:
             controller.echoes = echoing
+        # for the n-gram proposer the lookup also knows the block it would draft: k = 0 steps judge
+        # it against the output that follows, a free trial (coordinator/echo.py's ShadowDraft)
+        shadow = ShadowDraft() if echoing and self.proposer.name == "ngram" else None  # type: ignore[union-attr]
         step = 0
         try:
             first = target.prefill(gen.token_ids)
@@ -241,7 +244,13 @@ class SpeculativeEngine:
                 ahead = None
                 if self.pipeline and draft is not None and proposal.tokens and wanted > 0:
                     ahead = draft.start_ahead(list(proposal.tokens), wanted + 1, step)
-                guess = echo.guess() if echo is not None and not proposal.tokens else None
+                guess = None
+                if echo is not None and not proposal.tokens:
+                    guess = echo.guess()
+                    if shadow is not None and not shadow.pending:
+                        shadow.start(echo.ngram_draft(controller.shadow_depth()))  # type: ignore[union-attr]
+                elif shadow is not None:
+                    shadow.drop()
                 t = time.perf_counter()
                 outcome = target.verify(proposal, gen.token_ids)
                 verify_s = time.perf_counter() - t
@@ -255,6 +264,8 @@ class SpeculativeEngine:
                                                     block)
                         gen.stats.record_pipeline(predrafted is not None)
                 if isinstance(outcome, FailoverOutcome):  # the block was dropped; the new session's prefill gave the token
+                    if shadow is not None:
+                        shadow.drop()
                     gen.stats.record_step(0, 0)
                     gen.stats.k_per_step.append(0)
                 else:
@@ -269,6 +280,7 @@ class SpeculativeEngine:
                                            pass_block_length=getattr(outcome, "pass_block_length", 0),
                                            compute_ms=getattr(outcome, "compute_ms", None), requested=k,
                                            echo=echo_hit(guess, outcome.tokens), open_ms=open_s * 1000,
+                                           shadow=shadow.feed(outcome.tokens) if shadow is not None else None,
                                            pass_positions=getattr(outcome, "pass_positions", 0),
                                            packed=getattr(outcome, "packed", None),
                                            pass_id=getattr(outcome, "pass_id", 0))

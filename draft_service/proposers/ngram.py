@@ -20,6 +20,10 @@ from draft_service.proposers.base import Proposal
 from specd.sampling import SamplingParams
 
 _INITIAL_CAPACITY = 256
+# the proposer's pattern lengths: 4 tokens down to 1 (the coordinator's echo checks read the same
+# lookup to know, at k = 0, the token this proposer would have drafted first: coordinator/echo.py)
+DEFAULT_MIN_N = 1
+DEFAULT_MAX_N = 4
 
 
 def _check_ngram_range(min_n: int, max_n: int) -> None:
@@ -115,7 +119,7 @@ class NgramProposer:
 
     name = "ngram"
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N) -> None:
         _check_ngram_range(min_n, max_n)
         self.min_n = min_n
         self.max_n = max_n

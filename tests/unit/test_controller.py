@@ -31,7 +31,9 @@ from coordinator.controller import (
     pass_sessions,
     probe_period,
 )
-from coordinator.echo import EchoLookup, echo_guess, echo_hit
+from coordinator.echo import EchoLookup, ShadowDraft, echo_guess, echo_hit
+from draft_service.proposers.ngram import NgramProposer
+from specd.sampling import SamplingParams
 
 K_MAX = 8
 
@@ -912,6 +914,31 @@ def test_an_echo_lookup_grown_step_by_step_guesses_as_the_whole_context() -> Non
     assert lookup.guess() == echo_guess(context)
 
 
+def test_an_echo_lookups_n_gram_draft_is_the_n_gram_proposers() -> None:
+    rng = random.Random(4)
+    for _ in range(200):
+        context = [rng.randrange(8) for _ in range(rng.randrange(1, 40))]
+        k = rng.randrange(1, 9)
+        proposed = NgramProposer().open_session(context, SamplingParams()).propose(k).tokens
+        assert EchoLookup(context).ngram_draft(k) == proposed, context
+
+
+def test_a_shadow_draft_is_judged_as_the_target_would_have_judged_it() -> None:
+    """Accepted up to the first token that disagrees, one produced token at a time; all agreeing
+    is a whole block accepted; until it is decided it says nothing."""
+    shadow = ShadowDraft()
+    shadow.start([5, 6, 7, 8])
+    assert shadow.feed([5]) is None and shadow.feed([6]) is None and shadow.pending
+    assert shadow.feed([9]) == (4, 2) and not shadow.pending
+    shadow.start([5, 6])
+    assert shadow.feed([5, 6, 1]) == (2, 2)  # decided at its last position: the rest is not its
+    shadow.start([5, 6])
+    assert shadow.feed([4]) == (2, 0)
+    shadow.start([5, 6])
+    shadow.drop()
+    assert shadow.feed([5]) is None and not shadow.pending
+
+
 def test_a_gated_session_probes_as_soon_as_its_output_echoes_its_context() -> None:
     """A session of a method whose recent prompts did not pay waits `probe_interval` steps between
     probes; two k = 0 steps in a row whose tokens the context predicted make the next step one."""
@@ -1307,3 +1334,46 @@ def test_in_a_batch_depth_grows_by_doubling_what_has_been_seen() -> None:
     k = batched.target(LoadSignal(0, 16))
     assert 4 < k <= 8, k
 
+
+
+def test_in_a_batch_shadow_drafts_that_copy_turn_speculation_on_deep() -> None:
+    """At k = 0 the n-gram proposer's block is known without drafting, and the output that follows
+    judges it (`ShadowDraft`): a free trial. In a packed batch of 16 after prompts that did not
+    pay, a session whose shadows are accepted whole leaves k = 0 on its own evidence (the policy,
+    not a probe) at a depth past a probe's; one whose shadows fail learns that too, and the same
+    steps without shadows teach nothing."""
+    cm = packed_cost_model()
+    load = LoadSignal(0, 16)
+
+    def session_after(shadow: tuple[int, int] | None, steps: int = 4) -> DepthController:
+        peers = PassPeers()
+        sessions = [make_controller("auto", K_MAX, cm, shared_after_sessions([0.05] * 32), peers) for _ in range(16)]
+        for s in sessions[1:]:
+            s.observe(2, 0, 0.0, 140.0, 16, pass_positions=18, packed=True)
+        session = sessions[0]
+        for _ in range(steps):
+            session.observe(0, 0, 0.0, 130.0, 16, pass_positions=16, packed=True, shadow=shadow)
+        return session
+
+    untried = session_after(None)
+    assert untried.target(load) == 0
+    copying, failing = session_after((K_MAX, K_MAX)), session_after((K_MAX, 0))
+    assert copying.target(load) > copying.probe_k
+    assert failing.target(load) == 0 and failing.estimator.alpha < untried.estimator.alpha
+    assert copying.choose(load) > copying.probe_k and not copying._probed  # committed, not a probe step
+
+
+def test_shadow_drafts_in_a_batch_reach_twice_as_deep_as_what_has_gone_through() -> None:
+    """In a batch a shadow drafts as deep as the session could draft next (`_depth_reach`): twice
+    the deepest position tried, its own or its method's recent sessions', so depth grows 4, 8,
+    16 as copies go through, not to k_max at once. Alone it drafts k_max."""
+    shared = SharedAcceptance()
+    for _ in range(64):
+        shared.update(2, 1)  # the method's recent sessions drafted blocks of 2
+    session = DepthController(K_MAX, packed_cost_model(), shared=shared, peers=PassPeers())
+    session.observe(0, 0, 0.0, 130.0, 16, pass_positions=16, packed=True)
+    assert session.shadow_depth() == 4
+    session.observe(0, 0, 0.0, 130.0, 16, pass_positions=16, packed=True, shadow=(4, 4))
+    assert session.shadow_depth() == K_MAX == 8
+    session.observe(0, 0, 0.0, 60.0, 1, pass_positions=1, packed=True)
+    assert session.shadow_depth() == K_MAX
