@@ -14,9 +14,9 @@ of the context alone, so the block it would send is known at a k = 0 step withou
 the output of the following steps judges that block exactly as the target would have
 (`ShadowDraft`). A session at k = 0 thus keeps learning its acceptance at every position, for
 free: a code edit whose output reaches the unchanged code sees its shadows accepted whole and
-leaves k = 0 at the depth its copies reach, without the probes that at 16 sessions lengthen every
-row's pass (held cells after completions: 150-450 of ~850 steps at k = 0 before, see
-docs/benchmarks.md).
+leaves k = 0 on its own evidence, without the probes that at 16 sessions lengthen every
+row's pass (held code-edit cells at 16 sessions after completions: auto's time in verify passes
+went from 1.29x fixed k = 4's to 1.02x; docs/benchmarks.md, "Shadow drafts").
 
 The lookup is one numpy pass over the context per k = 0 step, in the coordinator: no draft call
 and no verify positions, so the disabled path still costs the replicas nothing. `EchoLookup` keeps

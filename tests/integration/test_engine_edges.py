@@ -9,8 +9,10 @@ import sys
 import pytest
 import torch
 
+from coordinator.controller import DepthController
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import Proposal, make_proposer
+from draft_service.proposers.ngram import find_ngram_continuation
 from specd.errors import InvalidArgument, PromptTooLong
 from specd.models import load_model, save_tiny_random_model
 from specd.sampling import SamplingParams
@@ -164,3 +166,59 @@ def test_cli_json_output(target):
     assert out["token_ids"] == ref[0, len(ids):].tolist()
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length", "target_forward_passes"):
         assert key in out["stats"]
+
+
+class _HeldOffListening(DepthController):
+    """An auto controller held at k = 0 that records the shadow drafts the engine judges."""
+
+    def __init__(self) -> None:
+        super().__init__(8, mode="auto")
+        self.shadows: list[tuple[int, int]] = []
+
+    def choose(self, load=None, remaining=None) -> int:
+        self.history.append(0)
+        return 0
+
+    def observe(self, *args, shadow=None, **kwargs) -> None:
+        if shadow is not None:
+            self.shadows.append(shadow)
+        super().observe(*args, shadow=shadow, **kwargs)
+
+
+class _OneController:
+    def __init__(self, controller: DepthController) -> None:
+        self._controller = controller
+
+    def controller(self, target, method: str) -> DepthController:
+        return self._controller
+
+    def load(self, session) -> None:
+        return None
+
+
+def test_k_0_steps_judge_the_n_gram_shadow_drafts_as_the_target_would_have(tiny):
+    """At k = 0 the engine judges the block the n-gram proposer would have drafted against the
+    output that follows: replayed over the output, every shadow it reports is the proposer's
+    draft at that step, accepted up to its first disagreement with the target's tokens."""
+    controller = _HeldOffListening()
+    engine = SpeculativeEngine(TargetModel(tiny), make_proposer("ngram"), depth=_OneController(controller),
+                               eos_token_ids=frozenset())
+    prompt = [3, 9, 4, 3, 9, 4, 3, 9]
+    out = engine.generate(prompt, SamplingParams(max_tokens=40)).run().token_ids
+    assert out == reference(tiny, prompt, 40)
+    expected, draft, matched = [], [], 0
+    for t in range(1, len(out)):  # step t produces out[t] from the context before it
+        if not draft:
+            draft, matched = find_ngram_continuation(prompt + out[:t], controller.k_max), 0
+            if not draft:
+                continue
+        if out[t] != draft[matched]:
+            expected.append((len(draft), matched))
+            draft = []
+            continue
+        matched += 1
+        if matched == len(draft):
+            expected.append((len(draft), matched))
+            draft = []
+    assert controller.shadows == expected
+    assert any(accepted > 0 for _, accepted in expected), expected  # the output copies: hits were judged
