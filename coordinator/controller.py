@@ -1547,7 +1547,7 @@ class DepthController:
         (coordinator/echo.py's `ShadowDraft`). It is a trial like a drafted step's that cost
         nothing, and counts as one: a session at k = 0 learns its acceptance from its own output,
         so a copying one leaves k = 0 when its shadows say so, with no probe that lengthens
-        every row's pass, and at the depth its copies reach."""
+        every row's pass, as deep as its copies have gone through (`shadow_depth`)."""
         if num_accepted > 0:  # drafts go through: echoes are worth a probe again
             self._echo_needed = ECHO_STREAK
         elif self._echo_probe and k > 0:  # an echo probe that failed: the next one waits for more echoes
