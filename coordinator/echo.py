@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from draft_service.proposers.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, find_ngram_continuation
+from draft_service.proposers.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramSession, find_ngram_continuation
 
 # proposers that draft by looking up the context: n-gram, suffix, and the head, which copies from
 # its context where the context repeats (draft_service/proposers/copying.py; same 3-token match)
@@ -53,30 +53,23 @@ def echo_hit(guess: int | None, produced: Sequence[int]) -> bool:
 
 
 class EchoLookup:
-    """One request's context for `echo_guess`, as an int64 array grown in place."""
+    """One request's context for `echo_guess` and the n-gram proposer's draft, kept in the
+    proposer's own session (a growing int64 array: `NgramSession`)."""
 
     def __init__(self, tokens: Sequence[int]):
-        self._buf = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)
-        self._n = 0
-        self.extend(tokens)
+        self._context = NgramSession(tokens, DEFAULT_MIN_N, DEFAULT_MAX_N)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        end = self._n + len(tokens)
-        if end > self._buf.shape[0]:
-            grown = np.empty(2 * end, dtype=np.int64)
-            grown[: self._n] = self._buf[: self._n]
-            self._buf = grown
-        self._buf[self._n:end] = tokens
-        self._n = end
+        self._context.append(tokens)
 
     def guess(self) -> int | None:
         """`echo_guess` of the context so far."""
-        return echo_guess(self._buf[: self._n])
+        return echo_guess(self._context.tokens)
 
     def ngram_draft(self, k: int) -> list[int]:
         """The n-gram proposer's draft of k tokens (its default pattern lengths) from the context
         so far: what it would send if asked now."""
-        return find_ngram_continuation(self._buf[: self._n], k, DEFAULT_MIN_N, DEFAULT_MAX_N)
+        return self._context.propose(k).tokens
 
 
 class ShadowDraft:
@@ -107,9 +100,9 @@ class ShadowDraft:
         """Judge the draft's next positions against tokens the target produced, in order: once it
         is decided (a disagreement, or every position agreed) (drafted, accepted) and the shadow
         is done; before that None."""
+        if not self._draft:
+            return None
         for token in produced:
-            if not self._draft:
-                break
             if token != self._draft[self._matched]:
                 return self._judged()
             self._matched += 1

@@ -20,8 +20,8 @@ from draft_service.proposers.base import Proposal
 from specd.sampling import SamplingParams
 
 _INITIAL_CAPACITY = 256
-# the proposer's pattern lengths: 4 tokens down to 1 (the coordinator's echo checks read the same
-# lookup to know, at k = 0, the token this proposer would have drafted first: coordinator/echo.py)
+# the proposer's pattern lengths: 4 tokens down to 1 (the coordinator's shadow drafts draft with
+# the same ones, to know at k = 0 the block this proposer would have sent: coordinator/echo.py)
 DEFAULT_MIN_N = 1
 DEFAULT_MAX_N = 4
 
