@@ -1218,6 +1218,23 @@ class DepthController:
         against fixed k = 4's 320, for 4.1 tokens a step against 3.2."""
         return min(self._depth_reach(), self.k_max) if self.batch_size > 1 else self.k_max
 
+    def observe_shadow_fill(self, drafted: int, depth: int) -> None:
+        """A k = 0 step asked the proposer's lookup for a shadow of `depth` tokens and it found
+        `drafted` (0: no match in the context): in a batch, the session's fill learns from it as
+        from a drafted step's block.
+
+        Without this a session at k = 0 kept the fill it was seeded with, the method's recent
+        steps' fill, while its shadows taught it its acceptance: code edits after chat prompts
+        (fill about 0.1) saw their shadows accepted whole and still priced a block's gain at a
+        tenth in the packed pass, and stayed at k = 0 to the end (a 16-session square where auto
+        drafted nothing on any kind). Alone the shadow is k_max deep, far deeper than the blocks
+        a session asks for, and an empty draft costs no verify work there (`pass_rates`), so only
+        batched shadows, as deep as the session could draft next, count."""
+        if depth > 0 and self.batch_size > 1:
+            self.fill.add(min(max(drafted, 0) / depth, 1.0), FILL_WINDOW)
+            if self.peers is not None:
+                self.peers.update(self._peer, self.estimator.alpha, proven=self._drafted, fill=self.fill.mean)
+
     def _packed(self, batch_size: int) -> bool:
         """Whether this session's next pass is a packed one with other rows: its block then costs
         its own positions only, and it chooses its depth for itself (`packed_rates`)."""
@@ -1279,8 +1296,8 @@ class DepthController:
         best = _argbest(rates, batch_margin(self.margin, b))
         if optimistic is None and log.isEnabledFor(logging.DEBUG):
             cm = self.cost_model
-            log.debug("depth: session %x step %d k %s alpha %.2f profile %s b %d verify %s draft %s "
-                      "rates/ms %s -> k %d", id(self), len(self.history), self.k, alpha,
+            log.debug("depth: session %x step %d k %s alpha %.2f fill %.2f profile %s b %d verify %s draft %s "
+                      "rates/ms %s -> k %d", id(self), len(self.history), self.k, alpha, self.fill.mean if fill is None else fill,
                       [round(r, 2) for r in self.estimator.profile(self.k_max)], b,
                       [round(cm.verify_ms(n, b), 1) for n in range(1, self.k_max + 2)],
                       [round(cm.draft_ms(k), 1) for k in range(self.k_max + 1)],

@@ -248,7 +248,9 @@ class SpeculativeEngine:
                 if echo is not None and not proposal.tokens:
                     guess = echo.guess()
                     if shadow is not None and not shadow.pending:
-                        shadow.start(echo.ngram_draft(controller.shadow_depth()))  # type: ignore[union-attr]
+                        depth = controller.shadow_depth()  # type: ignore[union-attr]
+                        shadow.start(echo.ngram_draft(depth))
+                        controller.observe_shadow_fill(shadow.length, depth)  # type: ignore[union-attr]
                 elif shadow is not None:
                     shadow.drop()
                 t = time.perf_counter()

@@ -169,11 +169,17 @@ def test_cli_json_output(target):
 
 
 class _HeldOffListening(DepthController):
-    """An auto controller held at k = 0 that records the shadow drafts the engine judges."""
+    """An auto controller held at k = 0 that records the shadow drafts the engine judges, and
+    the (drafted, depth) of every shadow it starts."""
 
     def __init__(self) -> None:
         super().__init__(8, mode="auto")
         self.shadows: list[tuple[int, int]] = []
+        self.started: list[tuple[int, int]] = []
+
+    def observe_shadow_fill(self, drafted: int, depth: int) -> None:
+        self.started.append((drafted, depth))
+        super().observe_shadow_fill(drafted, depth)
 
     def choose(self, load=None, remaining=None) -> int:
         self.history.append(0)
@@ -199,17 +205,20 @@ class _OneController:
 def test_k_0_steps_judge_the_n_gram_shadow_drafts_as_the_target_would_have(tiny):
     """At k = 0 the engine judges the block the n-gram proposer would have drafted against the
     output that follows: replayed over the output, every shadow it reports is the proposer's
-    draft at that step, accepted up to its first disagreement with the target's tokens."""
+    draft at that step, accepted up to its first disagreement with the target's tokens; and every
+    k = 0 step without a pending shadow tells the controller how much of its depth the lookup
+    drafted (none where the context has no match), which is what its fill learns from."""
     controller = _HeldOffListening()
     engine = SpeculativeEngine(TargetModel(tiny), make_proposer("ngram"), depth=_OneController(controller),
                                eos_token_ids=frozenset())
     prompt = [3, 9, 4, 3, 9, 4, 3, 9]
     out = engine.generate(prompt, SamplingParams(max_tokens=40)).run().token_ids
     assert out == reference(tiny, prompt, 40)
-    expected, draft, matched = [], [], 0
+    expected, started, draft, matched = [], [], [], 0
     for t in range(1, len(out)):  # step t produces out[t] from the context before it
         if not draft:
             draft, matched = find_ngram_continuation(prompt + out[:t], controller.k_max), 0
+            started.append((len(draft), controller.k_max))
             if not draft:
                 continue
         if out[t] != draft[matched]:
@@ -221,4 +230,5 @@ def test_k_0_steps_judge_the_n_gram_shadow_drafts_as_the_target_would_have(tiny)
             expected.append((len(draft), matched))
             draft = []
     assert controller.shadows == expected
+    assert controller.started == started
     assert any(accepted > 0 for _, accepted in expected), expected  # the output copies: hits were judged

@@ -1363,6 +1363,41 @@ def test_in_a_batch_shadow_drafts_that_copy_turn_speculation_on_deep() -> None:
     assert copying.choose(load) > copying.probe_k and not copying._probed  # committed, not a probe step
 
 
+def test_in_a_batch_shadows_teach_the_fill_as_well_as_the_acceptance() -> None:
+    """A session is seeded with its method's recent fill: after chat prompts, where the n-gram
+    lookup finds little, about a twentieth. Shadows accepted whole then raise its acceptance but
+    not what its blocks would fill, and the packed pass prices their gain at that twentieth: k = 0
+    to the end. The shadows' own lengths teach the fill too (a full shadow is a full block), and
+    the session turns on; lookups that find nothing teach it that its blocks would be empty.
+    Alone a shadow is k_max deep and an empty draft costs nothing, so the fill is left as it is."""
+    cm = packed_cost_model()
+    load = LoadSignal(0, 16)
+
+    def session_after(shadow_fill: tuple[int, int] | None, batch: int = 16) -> DepthController:
+        shared = shared_after_sessions([0.05] * 32)
+        for _ in range(64):
+            shared.update_fill(0.05)
+        peers = PassPeers()
+        sessions = [make_controller("auto", K_MAX, cm, shared, peers) for _ in range(16)]
+        for s in sessions[1:]:
+            s.observe(0, 0, 0.0, 140.0, 16, pass_positions=16, packed=True)
+        session = sessions[0]
+        session.observe(0, 0, 0.0, 130.0, batch, pass_positions=batch, packed=True)
+        for _ in range(6):
+            if shadow_fill is not None:
+                session.observe_shadow_fill(*shadow_fill)
+            session.observe(0, 0, 0.0, 130.0, batch, pass_positions=batch, packed=True, shadow=(4, 4))
+        return session
+
+    assert session_after(None).target(load) == 0  # accepted shadows, fill still the method's
+    full = session_after((4, 4))
+    assert full.fill.mean > 0.5 and full.target(load) > 0
+    empty = session_after((0, 4))
+    assert empty.fill.mean < 0.05 and empty.target(load) == 0
+    alone = session_after((4, 4), batch=1)
+    assert alone.fill.mean == pytest.approx(session_after(None, batch=1).fill.mean)
+
+
 def test_shadow_drafts_in_a_batch_reach_twice_as_deep_as_what_has_gone_through() -> None:
     """In a batch a shadow drafts as deep as the session could draft next (`_depth_reach`): twice
     the deepest position tried, its own or its method's recent sessions', so depth grows 4, 8,
