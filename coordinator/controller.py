@@ -683,26 +683,39 @@ class CostModel:
         return fit[1] * pm_b / pm_near if pm_near > 0 else fit[1]
 
     def _pooled_position_ms(self, b: int) -> float | None:
-        """What one draft position adds to a packed pass, pooled over the other batch sizes: their
-        passes' time beyond their plain pass, over the positions that brought it (settled cells
-        with a settled plain cell beside them).
+        """What one draft position adds to a packed pass, pooled over the other batch sizes,
+        weighted by the positions behind each: where a batch size has two or more settled cells
+        with draft positions, the slope through them; where it has one, its time beyond the
+        settled plain pass over its positions.
 
         In a packed pass a position costs about the same whatever the rows around it (on the
         2-core CPU, oneDNN kernels: 2-4 ms at 4 and at 16 rows), so a slope scaled by rows from one
         small batch size, two noisy cells apart, is the wrong prior there: one such slope priced
         a position at 13 ms at 16 rows, and a burst of 16 code edits (acceptance 0.8) stayed at
-        k = 0 to the end of its requests. Pooled, the jump to a packed pass counts in (a little
-        dear, on the safe side), and one noisy cell moves it little."""
+        k = 0 to the end of its requests.
+
+        The slope, not the time over the plain pass, where it can be had: a pass with any draft
+        position costs a jump beyond its positions (at batch 1 the model leaves its one-token
+        decode path: blocks of 3 and 4 took 149 and 151 ms against a plain pass's 101), and
+        pooled over the positions, that jump priced every position at 21 ms. A replica whose only
+        drafted passes were one session's probes at batch 1 then priced a code edit's block at 16
+        rows at five times its cost, and auto drafted nothing at 16 sessions on any kind in a
+        run that opened with chat prompts. The jump at b is priced apart (`packed_jump_ms`)."""
         extra_ms = positions = 0.0
         for s, cells in self._verify.items():
             plain = cells.get(0)
-            if s == b or plain is None or plain.count < SETTLED:
+            drafted = [(e, c) for e, c in cells.items() if e > 0 and c.count >= SETTLED]
+            if s == b or not drafted:
                 continue
-            for e, c in cells.items():
-                if e > 0 and c.count >= SETTLED:
-                    w = c.weight(self.window)
-                    extra_ms += w * (c.mean - plain.mean)
-                    positions += w * e
+            weight = sum(c.weight(self.window) * e for e, c in drafted)
+            fit = _fit_line([(float(e), c.mean, c.weight(self.window)) for e, c in drafted])
+            if fit is not None:
+                extra_ms += fit[1] * weight
+                positions += weight
+            elif plain is not None and plain.count >= SETTLED:
+                e, c = drafted[0]
+                extra_ms += (c.mean - plain.mean) * c.weight(self.window)
+                positions += weight
         if positions <= 0 or extra_ms <= 0:
             return None
         return extra_ms / positions

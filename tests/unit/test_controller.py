@@ -1089,6 +1089,29 @@ def packed_cost_model() -> CostModel:
     return cm
 
 
+def test_a_packed_position_is_priced_by_the_slope_not_the_jump_to_a_drafted_pass() -> None:
+    """A replica whose only drafted passes were probes at batch 1: blocks of 3 and 4 took 149 and
+    151 ms against a plain pass's 101 (the model leaves its one-token decode path). Pooled over
+    its positions, that jump priced a position at 16 rows at 21 ms, and code edits at 16 sessions
+    (acceptance 0.95, full blocks) stayed at k = 0; the slope says 2 ms, and they draft."""
+    cm = CostModel()
+    for _ in range(32):
+        cm.observe_verify(1, 1, 101.0, positions=1, packed=True)
+        cm.observe_verify(16, 1, 212.0, positions=16, packed=True)
+    for _ in range(5):
+        cm.observe_verify(1, 3, 149.0, positions=3, packed=True)
+        cm.observe_verify(1, 4, 151.0, positions=4, packed=True)
+    assert cm.position_ms(16) == pytest.approx(2.0, abs=0.5)
+    peers = PassPeers()
+    sessions = [DepthController(K_MAX, cm, peers=peers) for _ in range(16)]
+    for s in sessions:
+        s.observe(0, 0, 0.0, 212.0, 16, pass_positions=16, packed=True)
+    copying = sessions[0]
+    for _ in range(8):
+        copying.observe(0, 0, 0.0, 212.0, 16, pass_positions=16, packed=True, shadow=(4, 4))
+    assert copying.target(LoadSignal(0, 16)) > 0
+
+
 def test_packed_observations_teach_the_cost_of_one_position() -> None:
     cm = packed_cost_model()
     assert cm.packed
