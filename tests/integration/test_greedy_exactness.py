@@ -27,8 +27,14 @@ def _draft_for(method_label: str, target, tiny_draft):
     return method_label, None
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("method_label", ["ngram", "suffix", "draft_model_target", "draft_model_tiny"])
+# The copying drafts at every depth; the model drafts, whose blocks are accepted all or almost
+# none whatever the depth, at the depths that bound a block (1 and 8) and the default (4), within
+# CI's time budget.
+DEPTHS = [(method, k) for method in FULL_SWEEP for k in (1, 2, 4, 8)] + \
+    [(method, k) for method in ("draft_model_target", "draft_model_tiny") for k in (1, 4, 8)]
+
+
+@pytest.mark.parametrize("method_label,k", DEPTHS)
 def test_speculative_greedy_equals_target_only(method_label, k, target, references, tiny_shared_vocab_draft, workload_prompts):
     """The copying drafts at k = 4 on every workload prompt; the other depths, and the model drafts
     (whose blocks are all accepted or almost all rejected whatever the prompt), on one prompt of
@@ -69,8 +75,10 @@ def test_auto_depth_with_pipelined_drafting_equals_target_only(method_label, tar
 
 
 def test_no_speculation_equals_target_only(target, references, workload_prompts):
+    """Plain decoding through the engine, one prompt of each kind (every prompt is decoded with
+    speculation by the tests above)."""
     engine = SpeculativeEngine(TargetModel(target), None, eos_token_ids=target.eos_token_ids)
-    for p in workload_prompts:
+    for p in one_prompt_per_kind(workload_prompts, rotate=0):
         ids, expected = references[p.id]
         gen = engine.generate(ids, SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS))).run()
         assert gen.token_ids == expected, p.id
