@@ -1238,8 +1238,8 @@ class DepthController:
 
         Without this a session at k = 0 kept the fill it was seeded with, the method's recent
         steps' fill, while its shadows taught it its acceptance: code edits after chat prompts
-        (fill about 0.1) saw their shadows accepted whole and still priced a block's gain at a
-        tenth in the packed pass, and stayed at k = 0 to the end (a 16-session square where auto
+        (fill about 0.05) saw their shadows accepted whole and still priced a block's gain at a
+        twentieth in the packed pass, and stayed at k = 0 to the end (a 16-session square where auto
         drafted nothing on any kind). Alone the shadow is k_max deep, far deeper than the blocks
         a session asks for, and an empty draft costs no verify work there (`pass_rates`), so only
         batched shadows, as deep as the session could draft next, count."""
@@ -1310,7 +1310,8 @@ class DepthController:
         if optimistic is None and log.isEnabledFor(logging.DEBUG):
             cm = self.cost_model
             log.debug("depth: session %x step %d k %s alpha %.2f fill %.2f profile %s b %d verify %s draft %s "
-                      "rates/ms %s -> k %d", id(self), len(self.history), self.k, alpha, self.fill.mean if fill is None else fill,
+                      "rates/ms %s -> k %d", id(self), len(self.history), self.k, alpha,
+                      self.fill.mean if fill is None else fill,
                       [round(r, 2) for r in self.estimator.profile(self.k_max)], b,
                       [round(cm.verify_ms(n, b), 1) for n in range(1, self.k_max + 2)],
                       [round(cm.draft_ms(k), 1) for k in range(self.k_max + 1)],
