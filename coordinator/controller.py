@@ -1242,11 +1242,10 @@ class DepthController:
         twentieth in the packed pass, and stayed at k = 0 to the end (a 16-session square where auto
         drafted nothing on any kind). Alone the shadow is k_max deep, far deeper than the blocks
         a session asks for, and an empty draft costs no verify work there (`pass_rates`), so only
-        batched shadows, as deep as the session could draft next, count."""
+        batched shadows, as deep as the session could draft next, count. The step's `observe`
+        passes the new fill on to the session's peers, as for a drafted step."""
         if depth > 0 and self.batch_size > 1:
             self.fill.add(min(max(drafted, 0) / depth, 1.0), FILL_WINDOW)
-            if self.peers is not None:
-                self.peers.update(self._peer, self.estimator.alpha, proven=self._drafted, fill=self.fill.mean)
 
     def _packed(self, batch_size: int) -> bool:
         """Whether this session's next pass is a packed one with other rows: its block then costs

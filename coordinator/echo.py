@@ -90,11 +90,6 @@ class ShadowDraft:
     def pending(self) -> bool:
         return bool(self._draft)
 
-    @property
-    def length(self) -> int:
-        """The tokens the pending shadow drafted (0 when none is pending)."""
-        return len(self._draft)
-
     def start(self, draft: Sequence[int]) -> None:
         self._draft, self._matched = list(draft), 0
 

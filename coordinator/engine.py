@@ -249,8 +249,9 @@ class SpeculativeEngine:
                     guess = echo.guess()
                     if shadow is not None and not shadow.pending:
                         depth = controller.shadow_depth()  # type: ignore[union-attr]
-                        shadow.start(echo.ngram_draft(depth))
-                        controller.observe_shadow_fill(shadow.length, depth)  # type: ignore[union-attr]
+                        shadow_draft = echo.ngram_draft(depth)
+                        shadow.start(shadow_draft)
+                        controller.observe_shadow_fill(len(shadow_draft), depth)  # type: ignore[union-attr]
                 elif shadow is not None:
                     shadow.drop()
                 t = time.perf_counter()
