@@ -557,6 +557,24 @@ class CostModel:
             cell.add(_clip(ms, cell), self.window)
             self._lines.clear()
 
+    def observe_step(self, k: int, draft_ms: float, verify_ms: float, batch_size: int, pass_block_length: int = 0,
+                     compute_ms: float | None = None, open_ms: float = 0.0, pass_positions: int = 0,
+                     packed: bool | None = None, pass_id: int = 0) -> None:
+        """One engine step's costs: its draft of k tokens, the session open before it, and its
+        verify (the pass's own time when the replica reported it, the rest of `verify_ms` being
+        per-step overhead). The arguments are `DepthController.observe`'s, which calls this; a
+        fixed-k session, which has no controller, calls it directly, so that the auto sessions
+        on its replica price depths from every session's passes."""
+        if k > 0:
+            self.observe_draft(k, draft_ms)
+        if open_ms > 0:
+            self.observe_open(open_ms)
+        block = max(pass_block_length, k + 1)
+        pass_ms = verify_ms if compute_ms is None else compute_ms
+        self.observe_verify(batch_size, block, pass_ms, pass_positions, packed, pass_id)
+        if compute_ms is not None:
+            self.observe_overhead(max(verify_ms - compute_ms, 0.0))
+
     def observe_overhead(self, ms: float) -> None:
         """A verify step spent `ms` outside the replica's pass (the round trip): added to every
         verify estimate, whatever the block length."""
@@ -589,6 +607,11 @@ class CostModel:
         with self._lock:
             return [(b, 1 + -(-e // b), int(c.count), c.mean, b + e) for b, cells in self._verify.items()
                     for e, c in cells.items()]
+
+    def draft_table(self) -> list[tuple[int, int, float]]:
+        """The observed draft cells as (k, count, mean_ms) rows."""
+        with self._lock:
+            return [(k, int(c.count), c.mean) for k, c in sorted(self._draft.items())]
 
     def seed_from_stats(self, rows: Iterable[Any]) -> None:
         """Seed from a target's GetStats verify_latency table.
@@ -1601,15 +1624,8 @@ class DepthController:
             self.peers.update(self._peer, self.estimator.alpha, proven=self._drafted, fill=self.fill.mean)
         if self.shared is not None and k > 0:
             self.shared.update(k, num_accepted)
-        if k > 0:
-            self.cost_model.observe_draft(k, draft_ms)
-        if open_ms > 0:
-            self.cost_model.observe_open(open_ms)
-        block = max(pass_block_length, k + 1)
-        pass_ms = verify_ms if compute_ms is None else compute_ms
-        self.cost_model.observe_verify(batch_size, block, pass_ms, pass_positions, packed, pass_id)
-        if compute_ms is not None:
-            self.cost_model.observe_overhead(max(verify_ms - compute_ms, 0.0))
+        self.cost_model.observe_step(k, draft_ms, verify_ms, batch_size, pass_block_length, compute_ms, open_ms,
+                                     pass_positions, packed, pass_id)
         self.batch_size = max(int(batch_size), 1)
 
     def close(self) -> None:

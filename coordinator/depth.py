@@ -88,6 +88,11 @@ class DepthPolicy:
         return make_controller(self.spec, self.k_max, self.costs.get(key, method), self.costs.acceptance(key, method),
                                self.costs.peers(key))
 
+    def cost_model(self, target: Any, method: str = "") -> CostModel:
+        """The cost model `target`'s replica shares with the sessions of `method` (a fixed k's
+        steps record their costs in it, as a controller's do)."""
+        return self.costs.get(replica_key(target), method)
+
     def load(self, target: Any) -> LoadSignal | None:
         if self.monitor is None:
             return None

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from coordinator.controller import DepthController, LoadSignal
+from coordinator.controller import CostModel, DepthController, LoadSignal
 from coordinator.echo import ECHO_METHODS, EchoLookup, ShadowDraft, echo_hit
 from coordinator.failover import (DraftLink, FailoverOutcome, FaultHook, TargetLink, TargetSessionLike,  # noqa: F401
                                   VerifierLike)
@@ -118,6 +118,22 @@ class DepthPolicyLike(Protocol):
     def load(self, target: TargetSessionLike) -> LoadSignal | None: ...
 
 
+class CostModelsLike(Protocol):
+    """The cost model a replica's sessions of one drafting method share (coordinator.depth.DepthPolicy)."""
+
+    def cost_model(self, target: TargetSessionLike, method: str) -> CostModel: ...
+
+
+def _step_costs(outcome: Any, open_ms: float) -> dict[str, Any]:
+    """What a verify outcome says about its pass, as `CostModel.observe_step`'s keyword arguments
+    (a verifier that does not report a field gets that field's "not reported" value)."""
+    return dict(batch_size=getattr(outcome, "batch_size", 1),
+                pass_block_length=getattr(outcome, "pass_block_length", 0),
+                compute_ms=getattr(outcome, "compute_ms", None), open_ms=open_ms,
+                pass_positions=getattr(outcome, "pass_positions", 0), packed=getattr(outcome, "packed", None),
+                pass_id=getattr(outcome, "pass_id", 0))
+
+
 def use_predrafted(accepted_whole: bool, target_token: int, block: Proposal) -> Proposal | None:
     """The next proposal from a block drafted ahead, or None when it must be dropped.
 
@@ -161,14 +177,18 @@ class SpeculativeEngine:
         depth: DepthPolicyLike | None = None,
         pipeline: bool = False,
         on_fault: FaultHook | None = None,
+        cost_models: CostModelsLike | None = None,
     ):
-        """on_fault(service, reason): called for every replica failure a request meets (metrics)."""
+        """on_fault(service, reason): called for every replica failure a request meets (metrics).
+        cost_models: where a fixed k's steps record their draft and verify times (without it, a
+        replica's cost model learns only from the sessions that have a controller)."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         self.verifier = verifier
         self.proposer = proposer
         self.k = k if proposer is not None else 0
         self.depth = depth if proposer is not None else None
+        self.cost_models = cost_models if proposer is not None else None
         self.pipeline = pipeline and proposer is not None
         self.eos_token_ids = eos_token_ids
         self.decode = decode
@@ -185,6 +205,9 @@ class SpeculativeEngine:
         start = time.perf_counter()
         stopper = StopChecker(params, self.eos_token_ids, self.decode)
         controller = self.depth.controller(session, self.proposer.name) if self.depth is not None else None  # type: ignore[union-attr]
+        # a fixed k has no controller, but its passes still teach its replica's cost model
+        costs = self.cost_models.cost_model(session, self.proposer.name) \
+            if controller is None and self.cost_models is not None else None  # type: ignore[union-attr]
 
         def fault(service: str, reason: str) -> None:
             gen.faults.append((service, reason))
@@ -274,19 +297,19 @@ class SpeculativeEngine:
                 else:
                     gen.stats.record_step(len(proposal.tokens), outcome.num_accepted)
                     gen.stats.k_per_step.append(len(proposal.tokens))
-                    if controller is not None:
+                    if controller is not None or costs is not None:
                         # The time in the replica's queue is left out: it is other work's (prefills
                         # queued ahead, the pass before), and it would tilt the cost of this depth.
                         service_ms = max(verify_s * 1000 - getattr(outcome, "queue_ms", 0.0), 0.0)
-                        controller.observe(len(proposal.tokens), outcome.num_accepted, draft_s * 1000, service_ms,
-                                           getattr(outcome, "batch_size", 1),
-                                           pass_block_length=getattr(outcome, "pass_block_length", 0),
-                                           compute_ms=getattr(outcome, "compute_ms", None), requested=k,
-                                           echo=echo_hit(guess, outcome.tokens), open_ms=open_s * 1000,
-                                           shadow=shadow.feed(outcome.tokens) if shadow is not None else None,
-                                           pass_positions=getattr(outcome, "pass_positions", 0),
-                                           packed=getattr(outcome, "packed", None),
-                                           pass_id=getattr(outcome, "pass_id", 0))
+                        step_costs = _step_costs(outcome, open_s * 1000)
+                        if controller is not None:
+                            controller.observe(len(proposal.tokens), outcome.num_accepted, draft_s * 1000, service_ms,
+                                               requested=k, echo=echo_hit(guess, outcome.tokens),
+                                               shadow=shadow.feed(outcome.tokens) if shadow is not None else None,
+                                               **step_costs)
+                        else:
+                            costs.observe_step(len(proposal.tokens), draft_s * 1000, service_ms,  # type: ignore[union-attr]
+                                               **step_costs)
                 if draft is not None:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)

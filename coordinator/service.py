@@ -360,7 +360,8 @@ class GenerationService:
             policy = self.depth.with_spec(spec) if spec is not None else None
             engine = SpeculativeEngine(verifier, proposer, k=k, eos_token_ids=self.eos_token_ids, decode=self.decode,
                                        depth=policy, pipeline=self.pipeline if pipeline is None else pipeline,
-                                       on_fault=steps.record_fault if steps is not None else None)
+                                       on_fault=steps.record_fault if steps is not None else None,
+                                       cost_models=self.depth if policy is None else None)
             if self.depth.monitor is not None:
                 self.depth.monitor.requests.record()
             generation = engine.generate(ids, params)

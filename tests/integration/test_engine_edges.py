@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coordinator.controller import DepthController
+from coordinator.depth import EMBEDDED, DepthPolicy
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import Proposal, make_proposer
 from draft_service.proposers.ngram import find_ngram_continuation
@@ -232,3 +233,19 @@ def test_k_0_steps_judge_the_n_gram_shadow_drafts_as_the_target_would_have(tiny)
     assert controller.shadows == expected
     assert controller.started == started
     assert any(accepted > 0 for _, accepted in expected), expected  # the output copies: hits were judged
+
+
+def test_a_fixed_k_teaches_its_replicas_cost_model_what_its_passes_cost(tiny):
+    """A fixed k has no controller, yet its drafted passes are what auto sessions on the same
+    replica need to price a depth (at 16 sessions they may draft nothing themselves): its steps
+    record their draft and verify times in the cost model that the replica's sessions share."""
+    policy = DepthPolicy("auto", k_max=8)
+    engine = SpeculativeEngine(TargetModel(tiny), make_proposer("draft_model", tiny), k=4,
+                               eos_token_ids=frozenset(), cost_models=policy)
+    engine.generate([1, 2, 3], SamplingParams(max_tokens=21)).run()  # prefill + 4 blocks of 4 drafts
+    shared = policy.costs.get(EMBEDDED, "draft_model")
+    assert [(b, block, count) for b, block, count, _, _ in shared.verify_table()] == [(1, 5, 4)]
+    assert [(k, count) for k, count, _ in shared.draft_table()] == [(4, 4)]
+    untaught = SpeculativeEngine(TargetModel(tiny), make_proposer("draft_model", tiny), k=4, eos_token_ids=frozenset())
+    untaught.generate([1, 2, 3], SamplingParams(max_tokens=21)).run()
+    assert [count for _, _, count, _, _ in shared.verify_table()] == [4]  # without cost_models nothing is recorded
