@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_diff_against_a_running_coordinator_exits_0(stack, workload_prompts, tmp_path, capsys):
     kinds: dict[str, object] = {}
-    for p in workload_prompts:  # one prompt of each of the first four kinds
+    for p in workload_prompts:  # one prompt of each of the first two kinds
         kinds.setdefault(p.kind, p)
-    chosen = list(kinds.values())[:4]
+    chosen = list(kinds.values())[:2]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p.__dict__) for p in chosen) + "\n")
     out = tmp_path / "diff.json"
