@@ -88,13 +88,14 @@ def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
 
 
+# Each method with top-k, top-p or both among its cases, temperatures 1.0-2.0, k 2-4; k = 1 with
+# plain sampling runs below with pipelined drafting (the same speculative step, the next block
+# drafted during it). Three cases more (draft_model at k = 1, and k = 3 with top-p; ngram at
+# k = 1) cost about 75 s of CI and checked no rule these do not.
 CASES = [
     # (method, k, temperature, top_k, top_p): draft_model sends q; ngram is the one-hot rule
-    ("draft_model", 1, 1.0, 0, 1.0),
     ("draft_model", 2, 1.5, 4, 1.0),
-    ("draft_model", 3, 1.0, 0, 0.8),
     ("draft_model", 4, 2.0, 3, 0.9),
-    ("ngram", 1, 1.0, 0, 1.0),
     ("ngram", 2, 1.5, 0, 0.8),
     ("ngram", 4, 1.0, 4, 1.0),
     # head sends q over its draft vocabulary (zero elsewhere), drafted from the target's features
