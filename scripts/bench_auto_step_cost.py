@@ -1,0 +1,90 @@
+"""The coordinator's own work per step for auto at k = 0 in a batch: controller, echo and shadow.
+
+    PYTHONPATH=. python scripts/bench_auto_step_cost.py [--sessions 16] [--steps 40] [--debug-log]
+
+At 16 sessions the target starts a pass once every session is back, so what each session's
+thread does between one pass's end and its next verify is serialized by the coordinator's
+interpreter lock, sessions times over. This times that work with no model and no network:
+`--sessions` controllers sharing one replica's cost model and pass peers (the cost model seeded
+with packed cells at 1 and 16 rows), each step `choose`, the echo guess, a shadow draft when
+none is pending, `observe` of a plain pass, and the echo's extend. `--debug-log` turns the
+controller's debug lines on (formatted, written nowhere), as `SPECD_LOG_LEVEL=DEBUG` would.
+Compare a round's milliseconds with the pass time at that batch size (200-350 ms at 16 rows on
+the 2-core CI machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import time
+
+from coordinator.controller import CostModel, LoadSignal, PassPeers, SharedAcceptance, make_controller
+from coordinator.echo import EchoLookup, ShadowDraft, echo_hit
+
+CONTEXT_TOKENS = 300
+VOCAB = 5000
+
+
+def seeded_cost_model() -> CostModel:
+    """Packed passes of 1 and 16 rows at 0-48 extra positions, four of each (settled cells)."""
+    model = CostModel()
+    for rows in (1, 16):
+        for extra in (0, 16, 32, 48):
+            for _ in range(4):
+                model.observe_verify(rows, 1 + extra // rows, 100 + 2 * extra + 3 * rows, positions=rows + extra,
+                                     packed=True)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--debug-log", action="store_true")
+    args = parser.parse_args()
+    if args.debug_log:
+        logging.basicConfig(level=logging.DEBUG, stream=open(os.devnull, "w"))
+    rng = random.Random(0)
+    costs, peers, shared = seeded_cost_model(), PassPeers(), SharedAcceptance()
+    controllers = [make_controller("auto", 8, costs, shared, peers) for _ in range(args.sessions)]
+    for controller in controllers:
+        controller.echoes = True
+    context = [rng.randrange(VOCAB) for _ in range(CONTEXT_TOKENS)]
+    echoes = [EchoLookup(list(context)) for _ in controllers]
+    shadows = [ShadowDraft() for _ in controllers]
+    load = LoadSignal(0, args.sessions)
+    controller_s = echo_s = 0.0
+    start = time.perf_counter()
+    for step in range(args.steps):
+        for controller, echo, shadow in zip(controllers, echoes, shadows):
+            t0 = time.perf_counter()
+            controller.choose(load, remaining=100)
+            t1 = time.perf_counter()
+            guess = echo.guess()
+            if not shadow.pending:
+                depth = controller.shadow_depth()
+                draft = echo.ngram_draft(depth)
+                shadow.start(draft)
+                controller.observe_shadow_fill(len(draft), depth)
+            produced = [rng.randrange(VOCAB)]
+            judged = shadow.feed(produced)
+            t2 = time.perf_counter()
+            controller.observe(0, 0, 0.0, 150.0, args.sessions, pass_block_length=1, compute_ms=140.0, requested=0,
+                               echo=echo_hit(guess, produced), shadow=judged, pass_positions=args.sessions,
+                               packed=True, pass_id=step + 1)
+            echo.extend(produced)
+            t3 = time.perf_counter()
+            controller_s += (t1 - t0) + (t3 - t2)
+            echo_s += t2 - t1
+    elapsed = time.perf_counter() - start
+    steps = args.steps * args.sessions
+    print(f"{args.sessions} sessions at k = 0, {args.steps} steps: per session-step {elapsed / steps * 1e6:.0f} us "
+          f"(controller {controller_s / steps * 1e6:.0f}, echo and shadow {echo_s / steps * 1e6:.0f}); "
+          f"a round of {args.sessions}: {elapsed / args.steps * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
