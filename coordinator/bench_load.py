@@ -59,8 +59,8 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
                         "in a row), so that the machine's swings fall on the configurations alike (default 2)")
     p.add_argument("--c1-passes", type=int, default=1,
                    help="at concurrency 1 each configuration runs the kind's prompts this many times, in passes "
-                        "interleaved like --cell-parts: a kind's cell is 2-5 prompts, a few seconds, and the machine "
-                        "swings by 15 %% over seconds (default 1)")
+                        "interleaved like --cell-parts, transformers' target-only baseline among them: a kind's "
+                        "cell is 2-5 prompts, a few seconds, and the machine swings by 15 %% over seconds (default 1)")
     p.add_argument("--stagger-seconds", type=float, default=0.2,
                    help="at concurrency >= 2, client i sends its first request i times this late, so that "
                         "requests do not run in step (default 0.2)")
@@ -119,11 +119,11 @@ def run_bench_load(args: argparse.Namespace) -> int:
         hf.run(prompts[0].with_max_tokens(8), encoded[prompts[0].id])
         for run in range(args.runs):
             for kind in kinds:
-                start, tokens = time.perf_counter(), 0
-                for p in (q for q in prompts if q.kind == kind):
-                    ids, _ = hf.run(p, encoded[p.id])
-                    tokens += len(ids)
-                hf_tps[kind].append(tokens / (time.perf_counter() - start))
+                kind_prompts = [q for q in prompts if q.kind == kind]
+                hf_interleaved = 1 in levels and args.c1_passes > 1
+                if not hf_interleaved:
+                    tokens, wall = _hf_pass(hf, kind_prompts, encoded)
+                    hf_tps[kind].append(tokens / wall)
                 for conc in levels:
                     line = {}
                     requests = cell_requests(args.cell_requests, conc, max(levels))
@@ -131,11 +131,17 @@ def run_bench_load(args: argparse.Namespace) -> int:
                     if conc == 1 and args.c1_passes > 1:  # every prompt once per pass, passes interleaved
                         split = [len(gens[kind].prompts)] * args.c1_passes
                     parts: dict[str, list] = defaultdict(list)
-                    order = cell_order(configs, run)
+                    order = cell_order(configs + ([(HF_TARGET, "")] if conc == 1 and hf_interleaved else []), run)
                     if split is not None:  # fixed work in parts, interleaved (`interleaved`)
                         for (name, depth), n in interleaved(order, split):
+                            if name == HF_TARGET:  # in the bench process, between the stack's passes
+                                parts[name].append(_hf_pass(hf, kind_prompts, encoded))
+                                continue
                             spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
                             parts[name].append(gens[kind].closed_loop(conc, n, spec))
+                    if HF_TARGET in parts:
+                        hf_tps[kind].append(sum(t for t, _ in parts[HF_TARGET]) / sum(w for _, w in parts[HF_TARGET]))
+                        order = [config for config in order if config[0] != HF_TARGET]
                     for name, depth in order:
                         if split is not None:
                             s = summarize([r for records, _ in parts[name] for r in records],
@@ -178,6 +184,16 @@ def run_bench_load(args: argparse.Namespace) -> int:
     _plots(report, out)
     print(md)
     return 0 if errors == 0 else 1
+
+
+def _hf_pass(hf, prompts: Sequence, encoded: dict[str, list[int]]) -> tuple[int, float]:
+    """transformers' target-only decoding of `prompts` one after another, in the bench process:
+    (tokens generated, seconds)."""
+    start, tokens = time.perf_counter(), 0
+    for p in prompts:
+        ids, _ = hf.run(p, encoded[p.id])
+        tokens += len(ids)
+    return tokens, time.perf_counter() - start
 
 
 def cell_order(configs: list[tuple[str, str]], run: int) -> list[tuple[str, str]]:
