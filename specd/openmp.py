@@ -9,9 +9,17 @@ one of the hundreds of matrix multiplies in a pass pays a wake-up. Measured on t
 the second thread with these settings; in the stack, passes of 2-8 rows went from about 113 ms to
 about 95 ms and aggregate tokens/s at concurrency 8 rose by a fifth (docs/benchmarks.md).
 
-OMP_WAIT_POLICY=ACTIVE turns the throttling off; GOMP_SPINCOUNT bounds the spinning (about a
+OMP_WAIT_POLICY=ACTIVE lengthens the throttled spin (libgomp's throttled count is larger under
+ACTIVE) but does not end the throttling; GOMP_SPINCOUNT bounds the unthrottled spinning (about a
 millisecond), so idle workers still go to sleep and leave the cores to the other services.
 libgomp reads both when it loads, so they must be set before torch is imported.
+
+What ends the throttling is one team: `serial_until_model_thread` keeps the main thread's ops on
+one thread (no team) while the model loads, and the model thread takes the cores back. On the
+bundled model, code-edit prompts, one session, the model on a second thread: 1.4 cores busy and
+98-109 ms a step with two teams, 1.98 cores and 72-105 ms with one; in the stack on a slow
+period of this machine the target ran its one-session passes at 1.05 cores, 145-185 ms, against
+transformers' 114-130 ms in one process (docs/benchmarks.md, "One OpenMP team in the target").
 """
 
 from __future__ import annotations
@@ -27,3 +35,18 @@ def apply_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> dic
     applied = {name: value for name, value in OPENMP_DEFAULTS.items() if name not in environ}
     environ.update(applied)
     return applied
+
+
+def serial_until_model_thread() -> int:
+    """Runs the calling thread's torch ops on one thread from now on; returns the intra-op thread
+    count it had, for the thread that will run the model to take (`torch.set_num_threads` there:
+    `VerifyScheduler(torch_threads=...)`).
+
+    Call it before the model loads. Every thread that runs a parallel region owns a libgomp team
+    of that many threads, and teams live as long as their threads: a main thread that loaded the
+    model with two threads keeps a sleeping worker that counts against the cores for good."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return threads

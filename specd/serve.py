@@ -64,15 +64,19 @@ def _use_linear_kernel(service: str, model: "nn.Module", kernel: str) -> None:
 
 def start_target(cfg: TargetConfig, telemetry: Telemetry | None = None) -> ServerHandle:
     """`telemetry`: tests pass their own; by default it comes from cfg.metrics_port and OTEL_* env."""
-    from specd.models import load_model
+    from specd.models import load_model, resolve_device
+    from specd.openmp import serial_until_model_thread
     from target_service.server import SERVICE_NAME, TargetServicer, register
 
+    # Passes run on the scheduler's thread; on a CPU it must own the process's only OpenMP team.
+    torch_threads = serial_until_model_thread() if resolve_device(cfg.device).type == "cpu" else None
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     _use_linear_kernel("target", model.model, cfg.linear_kernel)
     telemetry = _telemetry("target", cfg, model.name, telemetry)
     servicer = TargetServicer(model, cfg.max_sessions, cfg.max_batch_size, cfg.batch_wait_ms, cfg.session_ttl_s,
                               telemetry=telemetry, kv_budget_mb=cfg.kv_budget_mb,
-                              straggler_wait_ms=cfg.straggler_wait_ms, packed_passes=cfg.packed_passes)
+                              straggler_wait_ms=cfg.straggler_wait_ms, packed_passes=cfg.packed_passes,
+                              torch_threads=torch_threads)
     print(f"specd target session limit: {servicer.session_limit.describe()}", file=sys.stderr, flush=True)
     handle = build_server(cfg, register(servicer), [SERVICE_NAME])
     handle.add_drain_hook(servicer.drain)

@@ -15,6 +15,7 @@ verifies and runs them together, up to `max_batch_size`:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict, deque
@@ -26,6 +27,8 @@ from draft_service.proposers.base import Proposal
 from specd.telemetry import Telemetry, batch_bucket, noop_telemetry
 from target_service.rejection_sampler import VerifyOutcome
 from target_service.verifier import TargetModel, TargetSession
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,8 +97,12 @@ def awaited_sessions(open_ids: Iterable[int], queued_ids: Collection[int], deliv
 
 class VerifyScheduler:
     def __init__(self, target: TargetModel, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
-                 telemetry: Telemetry | None = None, straggler_wait_ms: float = 40.0):
+                 telemetry: Telemetry | None = None, straggler_wait_ms: float = 40.0, torch_threads: int | None = None):
+        """torch_threads: the model thread's intra-op threads (torch.set_num_threads on it), for a
+        process that kept its main thread serial (`specd.openmp.serial_until_model_thread`);
+        None: torch's process-wide setting."""
         self.target = target
+        self.torch_threads = torch_threads
         self.telemetry = telemetry or noop_telemetry()
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000.0
@@ -141,6 +148,12 @@ class VerifyScheduler:
                 self._cv.notify()
 
     def _run(self) -> None:
+        if self.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
+            log.info("model thread: %d torch threads, the main thread serial (one OpenMP team)",
+                     torch.get_num_threads())
         while True:
             batch = self._next_batch()
             if batch is None:

@@ -31,7 +31,8 @@ SERVICE_NAME = "specdec.v1.TargetService"
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, model: LoadedModel, max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
                  session_ttl_s: float = 600.0, telemetry: Telemetry | None = None, kv_budget_mb: float | None = None,
-                 straggler_wait_ms: float = 40.0, packed_passes: bool = True):
+                 straggler_wait_ms: float = 40.0, packed_passes: bool = True, torch_threads: int | None = None):
+        """torch_threads: see VerifyScheduler."""
         self.model = model
         self.telemetry = telemetry or noop_telemetry()
         self.session_ttl_s = session_ttl_s
@@ -40,7 +41,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             threading.Thread(target=self._expire_idle, daemon=True, name="specd-session-ttl").start()
         self.target = TargetModel(model, packed_passes)
         self.scheduler = VerifyScheduler(self.target, max_batch_size, batch_wait_ms, self.telemetry,
-                                         straggler_wait_ms=straggler_wait_ms)
+                                         straggler_wait_ms=straggler_wait_ms, torch_threads=torch_threads)
         if self.telemetry.metrics_on:
             self.telemetry.target.observe(lambda: len(self.target.sessions), lambda: self.scheduler.queue_depth)
         # The session limit: max_sessions, or fewer when a KV budget holds fewer worst-case sessions;

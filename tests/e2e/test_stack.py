@@ -43,6 +43,13 @@ def test_target_and_draft_models_run_onednn_linear_layers(stack):
         assert swapped and int(swapped.group(1)) > 0, f"{service.name} does not run oneDNN linear layers"
 
 
+def test_the_targets_model_thread_owns_the_only_openmp_team(stack):
+    """specd/openmp.py: the target loads its model with a serial main thread and runs its passes
+    on the scheduler's thread with the cores' threads, so libgomp does not throttle its workers."""
+    line = re.search(r"model thread: (\d+) torch threads, the main thread serial", stack.target.log.read_text())
+    assert line and int(line.group(1)) >= 1, "the target's scheduler did not take the torch threads"
+
+
 @pytest.mark.parametrize("method,depth,pipeline", [(method, "auto", True) for method in ("ngram", "suffix", "draft_model")]
                          + [(method, 4, False) for method in ("ngram", "suffix")])
 def test_greedy_output_equals_target_only(method, depth, pipeline, client, references, workload_prompts, stack):

@@ -79,3 +79,33 @@ def test_without_the_straggler_wait_the_sessions_take_turns() -> None:
     passes = run_two_sessions(straggler_wait_ms=0.0)
     assert sum(1 for p in passes if len(p) == 1) >= len(passes) // 2, passes
 
+
+
+def test_the_model_thread_takes_the_torch_threads_the_serial_main_thread_gave_up() -> None:
+    """specd/openmp.py: the main thread keeps no OpenMP team; the scheduler's thread runs every
+    pass with the threads the main thread had."""
+    import torch
+
+    from specd.openmp import serial_until_model_thread
+
+    seen: list[int] = []
+
+    class ThreadCountingTarget(FakeTarget):
+        def verify_batch(self, items):
+            seen.append(torch.get_num_threads())
+            return super().verify_batch(items)
+
+    before = torch.get_num_threads()
+    try:
+        assert serial_until_model_thread() == before
+        assert torch.get_num_threads() == 1
+        target = ThreadCountingTarget(1)
+        scheduler = VerifyScheduler(target, torch_threads=before + 1)  # type: ignore[arg-type]
+        try:
+            scheduler.verify(target.sessions[0], Proposal([5]))  # type: ignore[arg-type]
+        finally:
+            scheduler.stop()
+        assert seen == [before + 1]
+        assert torch.get_num_threads() == 1, "the main thread stays serial"
+    finally:
+        torch.set_num_threads(before)
