@@ -32,17 +32,34 @@ log = logging.getLogger(__name__)
 _ONEDNN_DTYPES = (torch.float32,)
 
 
+# The row count oneDNN lays the packed weights out for (`torch.ops.mkldnn._reorder_linear_weight`'s
+# batch-size hint): the target's largest batch by default. Packed for 16 rows, a product of 2 to 64
+# rows runs from the packed layout; with the dense weight oneDNN reorders it on every call, which
+# is what made a 2-token pass cost 1.6x a 1-token one (docs/benchmarks.md, "Packed oneDNN weights").
+PACK_ROWS = 16
+
+
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def pack_weight(weight: torch.Tensor, rows: int = PACK_ROWS) -> torch.Tensor:
+    """`weight` in oneDNN's layout for products of about `rows` rows (an opaque mkldnn tensor)."""
+    with torch.inference_mode():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
 class OneDnnLinear(nn.Linear):
-    """An `nn.Linear` whose forward runs oneDNN's inner product on its own dense weights. Installed
-    by swapping the class of existing modules, so tied weights (an LM head sharing the embedding
-    matrix) stay shared and nothing is copied. Inference only: the op has no autograd formula."""
+    """An `nn.Linear` whose forward runs oneDNN's inner product on a packed copy of its weights
+    (`packed_weight`, made by `use_linear_kernel`; the dense weight stays, so tied weights such as
+    an LM head sharing the embedding matrix stay shared). Installed by swapping the class of
+    existing modules. Inference only: the op has no autograd formula, and the packed copy is taken
+    once, so weights changed later are not seen (load, then swap)."""
+
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _onednn_linear(x, self.weight, self.bias)
+        return _onednn_linear(x, self.weight if self.packed_weight is None else self.packed_weight, self.bias)
 
 
 def onednn_linear_works(dtype: torch.dtype = torch.float32) -> bool:
@@ -56,11 +73,12 @@ def onednn_linear_works(dtype: torch.dtype = torch.float32) -> bool:
         x = torch.randn(2, 3, 32, generator=generator, dtype=dtype)
         with torch.inference_mode():
             got = _onednn_linear(x, weight, bias)
+            packed = _onednn_linear(x, pack_weight(weight), bias)
             want = nn.functional.linear(x, weight, bias)
     except (RuntimeError, AttributeError) as err:  # op missing from this build, or refused
         log.info("oneDNN linear kernel unavailable: %s", err)
         return False
-    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    return all(y.shape == want.shape and torch.allclose(y, want, rtol=1e-4, atol=1e-4) for y in (got, packed))
 
 
 def runs_onednn(model: nn.Module) -> bool:
@@ -78,6 +96,7 @@ def use_linear_kernel(model: nn.Module, kernel: str) -> int:
     linears = [m for m in model.modules() if type(m) in (nn.Linear, OneDnnLinear)]
     if kernel == "aten":
         for module in linears:
+            module.__dict__.pop("packed_weight", None)
             module.__class__ = nn.Linear
         return 0
     cpu_float32 = [m for m in linears if m.weight.device.type == "cpu" and m.weight.dtype in _ONEDNN_DTYPES]
@@ -85,4 +104,5 @@ def use_linear_kernel(model: nn.Module, kernel: str) -> int:
         return 0
     for module in cpu_float32:
         module.__class__ = OneDnnLinear
+        module.packed_weight = pack_weight(module.weight)
     return len(cpu_float32)

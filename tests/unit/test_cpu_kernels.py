@@ -35,11 +35,25 @@ def test_onednn_swaps_every_linear_keeps_tied_weights_and_agrees_with_torch():
         want = model(ids)
     assert use_linear_kernel(model, "onednn") == 3
     assert all(type(m) is OneDnnLinear for m in (model.up, model.down, model.head))
-    assert model.head.weight is model.embed.weight  # tied: nothing copied
+    assert model.head.weight is model.embed.weight  # tied: the dense weights stay shared
+    assert all(m.packed_weight is not None and m.packed_weight.is_mkldnn for m in (model.up, model.down, model.head))
     for rows in (ids[:1, :1], ids[:1], ids):  # one token, one sequence, a batch
         with torch.inference_mode():
             got = model(rows)
             torch.testing.assert_close(got, want[: rows.shape[0], : rows.shape[1]], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weights_serve_every_row_count_a_server_runs():
+    """Packed for PACK_ROWS rows, the weights give the dense product for one row (plain decoding),
+    a few (a block), a batch and a prompt's prefill of hundreds."""
+    model = TiedLM()
+    ids = torch.randint(0, 300, (1, 300))
+    with torch.inference_mode():
+        want = model(ids)
+    use_linear_kernel(model, "onednn")
+    for n in (1, 2, 5, 16, 17, 64, 300):
+        with torch.inference_mode():
+            torch.testing.assert_close(model(ids[:, :n]), want[:, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_aten_restores_torchs_kernel():
@@ -47,6 +61,7 @@ def test_aten_restores_torchs_kernel():
     use_linear_kernel(model, "onednn")
     assert use_linear_kernel(model, "aten") == 0
     assert all(type(m) is nn.Linear for m in (model.up, model.down, model.head))
+    assert all(getattr(m, "packed_weight", None) is None for m in (model.up, model.down, model.head))
 
 
 def test_a_model_that_is_not_float32_keeps_torchs_kernel():
