@@ -117,10 +117,10 @@ def run_bench_load(args: argparse.Namespace) -> int:
         # (the first cell at 16 sessions read 0.8x the same cell later in the run)
         gens[kinds[0]].closed_loop(max(levels), max(levels), warm)
         hf.run(prompts[0].with_max_tokens(8), encoded[prompts[0].id])
+        hf_interleaved = 1 in levels and args.c1_passes > 1  # transformers runs among the c1 passes
         for run in range(args.runs):
             for kind in kinds:
                 kind_prompts = [q for q in prompts if q.kind == kind]
-                hf_interleaved = 1 in levels and args.c1_passes > 1
                 if not hf_interleaved:
                     tokens, wall = _hf_pass(hf, kind_prompts, encoded)
                     hf_tps[kind].append(tokens / wall)

@@ -25,7 +25,7 @@ import psutil  # noqa: E402
 
 import specd.launcher as launcher  # noqa: E402
 from coordinator.loadgen import LoadGenerator, LoadSpec  # noqa: E402
-from specd.models import encode_chat, load_tokenizer  # noqa: E402
+from specd.models import encode_prompt, load_tokenizer  # noqa: E402
 from specd.workloads import default_prompts_path, load_prompts  # noqa: E402
 
 
@@ -45,9 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = load_tokenizer(None)
     prompts = [p.with_max_tokens(32) for p in load_prompts(default_prompts_path()) if p.kind == args.kind]
-
-    def encode(p) -> list[int]:
-        return encode_chat(tokenizer, [{"role": "user", "content": p.prompt}]) if p.chat else tokenizer(p.prompt)["input_ids"]
+    encoded = {p.id: encode_prompt(tokenizer, p.prompt, p.chat) for p in prompts}
 
     requests = len(prompts) if args.concurrency == 1 else 3 * args.concurrency
     spec = LoadSpec.for_depth("ngram", args.depth, 32)
@@ -56,7 +54,7 @@ def main() -> None:
         for name, root in (("before", args.before), ("after", args.after)):
             launcher.ROOT = root.resolve()  # the services run `python -m specd.cli` from there
             stacks[name] = launcher.start_stack(Path(tempfile.mkdtemp(prefix=f"specd-ab-{name}-")), k="auto")
-        gens = {n: LoadGenerator(s.coordinator.address, prompts, encode=encode) for n, s in stacks.items()}
+        gens = {n: LoadGenerator(s.coordinator.address, prompts, encode=lambda p: encoded[p.id]) for n, s in stacks.items()}
         for gen in gens.values():  # warm-up
             gen.closed_loop(1, 1, LoadSpec.for_depth("ngram", args.depth, 8))
         tps: dict[str, list[float]] = {n: [] for n in stacks}

@@ -47,14 +47,19 @@ class LoadedModel:
         """Token ids of a raw prompt, or of one user message through the chat template."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.name} has no tokenizer; pass token ids")
-        if chat:
-            return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
-        return list(self.tokenizer(prompt)["input_ids"])
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of a raw prompt, or of one user message through the chat template."""
+    if chat:
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+    return list(tokenizer(prompt)["input_ids"])
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -37,16 +37,21 @@ def apply_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> dic
     return applied
 
 
-def serial_until_model_thread() -> int:
-    """Runs the calling thread's torch ops on one thread from now on; returns the intra-op thread
-    count it had, for the thread that will run the model to take (`torch.set_num_threads` there:
-    `VerifyScheduler(torch_threads=...)`).
+def serial_until_model_thread(device: str | None) -> int | None:
+    """For a model on a CPU (`device` as `load_model` takes it): runs the calling thread's torch ops
+    on one thread from now on and returns the intra-op thread count it had, for the thread that
+    will run the model to take (`torch.set_num_threads` there: `VerifyScheduler(torch_threads=...)`).
+    Elsewhere None, and nothing changes (the model's work is not on the CPU's threads).
 
     Call it before the model loads. Every thread that runs a parallel region owns a libgomp team
     of that many threads, and teams live as long as their threads: a main thread that loaded the
     model with two threads keeps a sleeping worker that counts against the cores for good."""
     import torch
 
+    from specd.models import resolve_device
+
+    if resolve_device(device).type != "cpu":
+        return None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     return threads

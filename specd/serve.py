@@ -64,12 +64,12 @@ def _use_linear_kernel(service: str, model: "nn.Module", kernel: str) -> None:
 
 def start_target(cfg: TargetConfig, telemetry: Telemetry | None = None) -> ServerHandle:
     """`telemetry`: tests pass their own; by default it comes from cfg.metrics_port and OTEL_* env."""
-    from specd.models import load_model, resolve_device
+    from specd.models import load_model
     from specd.openmp import serial_until_model_thread
     from target_service.server import SERVICE_NAME, TargetServicer, register
 
     # Passes run on the scheduler's thread; on a CPU it must own the process's only OpenMP team.
-    torch_threads = serial_until_model_thread() if resolve_device(cfg.device).type == "cpu" else None
+    torch_threads = serial_until_model_thread(cfg.device)
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     _use_linear_kernel("target", model.model, cfg.linear_kernel)
     telemetry = _telemetry("target", cfg, model.name, telemetry)

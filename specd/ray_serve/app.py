@@ -104,14 +104,14 @@ class TargetDeployment:
                  max_sessions: int = 64, max_batch_size: int = 16, batch_wait_ms: float = 2.0,
                  session_ttl_s: float = 600.0, straggler_wait_ms: float = 40.0, linear_kernel: str = "onednn"):
         from specd.cpu_kernels import use_linear_kernel
-        from specd.models import load_model, resolve_device
+        from specd.models import load_model
         from specd.openmp import serial_until_model_thread
         from specd.vocab import vocab_hash
         from target_service.scheduler import VerifyScheduler
         from target_service.verifier import TargetModel
 
         # as in `specd serve target`: the scheduler's thread owns the process's only OpenMP team
-        torch_threads = serial_until_model_thread() if resolve_device(device).type == "cpu" else None
+        torch_threads = serial_until_model_thread(device)
         self.model = load_model(model, device=device, dtype=dtype)
         use_linear_kernel(self.model.model, linear_kernel)
         self.target = TargetModel(self.model)

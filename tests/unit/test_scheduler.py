@@ -97,7 +97,7 @@ def test_the_model_thread_takes_the_torch_threads_the_serial_main_thread_gave_up
 
     before = torch.get_num_threads()
     try:
-        assert serial_until_model_thread() == before
+        assert serial_until_model_thread("cpu") == before
         assert torch.get_num_threads() == 1
         target = ThreadCountingTarget(1)
         scheduler = VerifyScheduler(target, torch_threads=before + 1)  # type: ignore[arg-type]
