@@ -1,8 +1,8 @@
 """Batches verify requests of different sessions into shared forward passes, on one model thread.
 
 Session handlers (one thread per gRPC stream) submit work and block on its result. The model
-thread takes the oldest request; a prefill runs alone, a verify waits for other sessions'
-verifies and runs them together, up to `max_batch_size`:
+thread runs queued prefills first, each alone (`next_prefill`), then verifies: a verify waits for
+other sessions' verifies and runs them together, up to `max_batch_size`:
 
 - at least `batch_wait_ms` for any other session (none once every open session is queued);
 - longer, up to `straggler_wait_ms` and at most half the recent pass time, for the sessions that
@@ -21,7 +21,7 @@ import time
 from collections import defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Mapping
+from typing import Collection, Iterable, Mapping, Sequence
 
 from draft_service.proposers.base import Proposal
 from specd.telemetry import Telemetry, batch_bucket, noop_telemetry
@@ -95,6 +95,25 @@ def awaited_sessions(open_ids: Iterable[int], queued_ids: Collection[int], deliv
             if sid not in queued_ids and sid in delivered_at and now - delivered_at[sid] < horizon_s}
 
 
+def next_prefill(is_prefill: Sequence[bool], prefills_ahead: int, limit: int) -> int | None:
+    """Which queued request (by queue position) to run now as a prefill, or None for a verify pass.
+
+    Prefills go first: the oldest queued prefill runs before any verify pass, unless `limit`
+    prefills in a row have already run ahead of waiting verifies (`prefills_ahead`), so a stream of
+    new sessions cannot stall the open ones for long. Why: a session waiting for its prefill is
+    missing from the verify passes that run meanwhile, and a pass of fewer rows costs nearly as
+    much as a full one (on this project's CPU machines 70 % of a pass is reading the weights). In
+    oldest-first order, sessions that finished in the same pass were prefilled one by one between
+    passes, each missing the passes between its request and its prefill: with speculation, whose
+    sessions finish out of step, passes at 16 sessions ran 11-13 rows against 16 with speculation
+    off (docs/benchmarks.md). Prefilled back to back, they all join the next pass."""
+    if not any(is_prefill):
+        return None
+    if prefills_ahead >= limit and not all(is_prefill):
+        return None
+    return is_prefill.index(True)
+
+
 class VerifyScheduler:
     def __init__(self, target: TargetModel, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
                  telemetry: Telemetry | None = None, straggler_wait_ms: float = 40.0, torch_threads: int | None = None):
@@ -111,6 +130,7 @@ class VerifyScheduler:
         self._pass_s: float | None = None  # moving verify pass time
         self._passes = 0  # verify passes run (each pass's rows report its number)
         self._delivered_at: dict[int, float] = {}  # session id -> when its last result was handed out
+        self._prefills_ahead = 0  # prefills run in a row while verifies waited (`next_prefill`)
         self._queue: deque[_Work] = deque()
         self._cv = threading.Condition()
         self._stopped = False
@@ -166,9 +186,9 @@ class VerifyScheduler:
                 self._cv.wait()
             if self._stopped and not self._queue:
                 return None
-            head = self._queue[0]
-            if head.proposal is None:
-                return [self._queue.popleft()]
+            prefill = self._take_prefill()
+            if prefill is not None:
+                return [prefill]
             start = time.perf_counter()
             floor_deadline = start + self.batch_wait
             budget = straggler_wait_s(self._pass_s, self.batch_wait, self.straggler_wait_cap)
@@ -182,13 +202,41 @@ class VerifyScheduler:
                 if len(queued) >= self.max_batch_size or everyone_here or now >= until:
                     break
                 self._cv.wait(until - now)
+                prefill = self._take_prefill()  # the stragglers come back while it runs
+                if prefill is not None:
+                    return [prefill]
+            self._prefills_ahead = 0
             batch: list[_Work] = []
             rest: deque[_Work] = deque()
             while self._queue:
                 w = self._queue.popleft()
                 (batch if w.proposal is not None and len(batch) < self.max_batch_size else rest).append(w)
             self._queue = rest
+            if log.isEnabledFor(logging.DEBUG):
+                self._log_missing(batch, rest)
             return batch
+
+    def _log_missing(self, batch: list[_Work], rest: Iterable[_Work]) -> None:
+        """DEBUG: the open sessions a verify pass runs without, and why (under `_cv`)."""
+        now = time.perf_counter()
+        rows = {w.session.session_id for w in batch}
+        prefilling = {w.session.session_id for w in rest if w.proposal is None}
+        missing = [(sid, "prefill queued" if sid in prefilling else
+                    f"{1000 * (now - self._delivered_at[sid]):.0f} ms since its result" if sid in self._delivered_at
+                    else "not prefilled") for sid in list(self.target.sessions) if sid not in rows]
+        log.debug("verify pass of %d rows, %d open; not in it: %s", len(batch), len(self.target.sessions),
+                  ", ".join(f"{sid} ({why})" for sid, why in missing) or "none")
+
+    def _take_prefill(self) -> _Work | None:
+        """Removes and returns the prefill to run now, if any (`next_prefill`); under `_cv`."""
+        i = next_prefill([w.proposal is None for w in self._queue], self._prefills_ahead, self.max_batch_size)
+        if i is None:
+            return None
+        work = self._queue[i]
+        del self._queue[i]
+        if any(w.proposal is not None for w in self._queue):
+            self._prefills_ahead += 1
+        return work
 
     def _execute(self, batch: list[_Work]) -> None:
         start = time.perf_counter()

@@ -9,7 +9,7 @@ import pytest
 
 from draft_service.proposers.base import Proposal
 from target_service.rejection_sampler import VerifyOutcome
-from target_service.scheduler import VerifyScheduler, awaited_sessions, straggler_wait_s
+from target_service.scheduler import VerifyScheduler, awaited_sessions, next_prefill, straggler_wait_s
 
 PASS_S = 0.06
 
@@ -79,6 +79,71 @@ def test_without_the_straggler_wait_the_sessions_take_turns() -> None:
     passes = run_two_sessions(straggler_wait_ms=0.0)
     assert sum(1 for p in passes if len(p) == 1) >= len(passes) // 2, passes
 
+
+def test_next_prefill_is_the_oldest_prefill_until_the_limit_of_prefills_ahead_of_verifies() -> None:
+    assert next_prefill([False, False], 0, 16) is None
+    assert next_prefill([False, True, False, True], 0, 16) == 1  # ahead of the older verify
+    assert next_prefill([False, True], 15, 16) == 1
+    assert next_prefill([False, True], 16, 16) is None  # the waiting verifies' turn
+    assert next_prefill([True, True], 16, 16) == 0  # nothing waits behind prefills
+
+
+class GatedTarget(FakeTarget):
+    """Logs prefills too ("p<id>"); its first pass blocks until `gate` is set."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.gate = threading.Event()
+        self.entered = threading.Event()  # the model thread is in its first pass
+        self.order: list[str] = []
+
+    def prefill(self, session):
+        self.entered.set()
+        self.gate.wait(10)
+        self.order.append(f"p{session.session_id}")
+        return 7
+
+    def verify_batch(self, items):
+        self.gate.wait(10)
+        self.order.append("v" + ",".join(str(s.session_id) for s, _ in sorted(items, key=lambda i: i[0].session_id)))
+        return [VerifyOutcome(0, [1]) for _ in items]
+
+
+def run_queued(submissions: list[tuple[str, int]], max_batch_size: int = 8) -> list[str]:
+    """Holds the model on a first prefill of session 0 while `submissions` ("prefill"/"verify",
+    session id) queue up in this order, then lets it run; returns what ran, in order."""
+    target = GatedTarget(1 + max(sid for _, sid in submissions))
+    scheduler = VerifyScheduler(target, max_batch_size=max_batch_size, batch_wait_ms=1.0,  # type: ignore[arg-type]
+                                straggler_wait_ms=0.0)
+    threads = [threading.Thread(target=scheduler.prefill, args=(target.sessions[0],))]
+    for kind, sid in submissions:
+        call = scheduler.prefill if kind == "prefill" else scheduler.verify
+        args = (target.sessions[sid],) if kind == "prefill" else (target.sessions[sid], Proposal([5]))
+        threads.append(threading.Thread(target=call, args=args))
+    try:
+        threads[0].start()
+        assert target.entered.wait(5)
+        for queued, t in enumerate(threads[1:], start=1):
+            t.start()
+            deadline = time.time() + 5
+            while scheduler.queue_depth < queued and time.time() < deadline:
+                time.sleep(0.001)  # queued in submission order
+        target.gate.set()
+        for t in threads:
+            t.join(10)
+    finally:
+        scheduler.stop()
+    return target.order[1:]
+
+
+def test_queued_prefills_run_before_an_older_verify_and_then_every_row_joins_one_pass() -> None:
+    order = run_queued([("verify", 1), ("verify", 2), ("prefill", 3), ("verify", 4), ("prefill", 5)])
+    assert order == ["p3", "p5", "v1,2,4"]
+
+
+def test_verifies_wait_for_no_more_than_a_batch_of_prefills_ahead_of_them() -> None:
+    order = run_queued([("verify", 1), ("prefill", 2), ("prefill", 3), ("prefill", 4)], max_batch_size=2)
+    assert order == ["p2", "p3", "v1", "p4"]
 
 
 def test_the_model_thread_takes_the_torch_threads_the_serial_main_thread_gave_up() -> None:
