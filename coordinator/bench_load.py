@@ -25,7 +25,8 @@ from pathlib import Path
 import grpc
 
 from coordinator.bench import HF_TARGET, hf_systems
-from coordinator.loadgen import LoadGenerator, LoadSpec, k_over_time, poisson_arrivals, step_rate, summarize
+from coordinator.loadgen import (LoadGenerator, LoadSpec, k_over_time, poisson_arrivals, step_rate, summarize,
+                                 window_tokens)
 from specd.launcher import start_stack
 from specd.models import load_model, save_tiny_random_model
 from specd.workloads import default_prompts_path, load_prompts
@@ -48,10 +49,11 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
                         "concurrency c gets window_seconds * c / highest, at least 5 s (default 12)")
     p.add_argument("--cell-requests", type=int, default=0,
                    help="fixed-work cells instead of timed windows: at the highest concurrency this many requests "
-                        "(in proportion below it, at least one per client), tokens/s over their wall time; greedy "
-                        "outputs are the same in every configuration, so every cell does the same work; at concurrency "
-                        ">= 2 each cell runs in parts interleaved with the other configurations' (`--cell-parts`) "
-                        "(default 0: windows)")
+                        "(in proportion below it, at least one per client) end, the load held at the concurrency "
+                        "until then (the streams still open are cut), tokens/s every token streamed over that time; "
+                        "greedy outputs are the same in every configuration, so every cell does about the same "
+                        "work; at concurrency >= 2 each cell runs in parts interleaved with the other "
+                        "configurations' (`--cell-parts`) (default 0: windows)")
     p.add_argument("--cell-parts", type=int, default=2,
                    help="fixed-work cells at concurrency >= 2 run in this many parts, each at least one request per "
                         "client: 2 mirrored (A B C C B A); more, each round's order rotated by one (with as many "
@@ -138,14 +140,13 @@ def run_bench_load(args: argparse.Namespace) -> int:
                                 parts[name].append(_hf_pass(hf, kind_prompts, encoded))
                                 continue
                             spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
-                            parts[name].append(gens[kind].closed_loop(conc, n, spec))
+                            parts[name].append(_fixed_work(gens[kind], conc, n, spec, target_stub))
                     if HF_TARGET in parts:
                         hf_tps[kind].append(sum(t for t, _ in parts[HF_TARGET]) / sum(w for _, w in parts[HF_TARGET]))
                         order = [config for config in order if config[0] != HF_TARGET]
                     for name, depth in order:
                         if split is not None:
-                            s = summarize([r for records, _ in parts[name] for r in records],
-                                          sum(wall for _, wall in parts[name]))
+                            s = summarize_parts(parts[name])
                         else:
                             s = _cell(gens[kind], conc, LoadSpec.for_depth(args.method, depth, args.max_tokens),
                                       cell_window(args.window_seconds, conc, max(levels)),
@@ -251,6 +252,35 @@ def interleaved(order: list[tuple[str, str]], parts: Sequence[int]) -> list[tupl
     return [(order[(r + i) % n], size) for r, size in enumerate(parts) for i in range(n)]
 
 
+def _fixed_work(gen: LoadGenerator, concurrency: int, requests: int, spec: LoadSpec, target_stub
+                ) -> tuple[list, float] | tuple[list, tuple[float, float]]:
+    """One part of a fixed-work cell: every prompt once per pass at concurrency 1 (records, wall);
+    above it `requests` requests at a held concurrency (`LoadGenerator.closed_loop_held`: records,
+    window), then the target is let to close the cut requests' sessions."""
+    if concurrency == 1:
+        return gen.closed_loop(1, requests, spec)
+    held = gen.closed_loop_held(concurrency, requests, spec)
+    wait_idle(target_stub)
+    return held
+
+
+def summarize_parts(parts: Sequence[tuple[list, float] | tuple[list, tuple[float, float]]]) -> dict:
+    """A fixed-work cell's figures over its parts: tokens/s is every part's tokens (in its window,
+    where it has one) over their time together; the latencies, acceptance and k come from every
+    part's requests."""
+    tokens, seconds = 0.0, 0.0
+    for records, span in parts:
+        if isinstance(span, tuple):
+            tokens += window_tokens(records, *span)
+            seconds += span[1] - span[0]
+        else:
+            tokens += sum(r.tokens for r in records if r.error is None and r.done is not None)
+            seconds += span
+    merged = summarize([r for records, _ in parts for r in records], seconds)
+    merged["tokens_per_s"] = round(tokens / seconds, 2) if seconds > 0 else 0.0
+    return merged
+
+
 def _cell(gen: LoadGenerator, concurrency: int, spec: LoadSpec, seconds: float, stagger: float,
           target_stub, requests: int = 0) -> dict:
     """One cell's summary. Concurrency 1: every prompt of the kind once, one after another.
@@ -339,8 +369,9 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
 def render(report: dict) -> str:
     s = report["settings"]
     if s.get("cell_requests"):
-        higher = (f"{s['cell_requests']} requests through the closed loop at the highest concurrency (in "
-                  "proportion below, at least one per client), tokens/s over their wall time, run in "
+        higher = (f"held until {s['cell_requests']} requests have ended at the highest concurrency (in "
+                  "proportion below, at least one per client), tokens/s every token streamed until then over "
+                  "that time, run in "
                   f"{s.get('cell_parts', 2)} parts interleaved with the other configurations'")
     else:
         higher = (f"held at that concurrency, tokens/s over a window after the opening prefills "

@@ -355,6 +355,51 @@ class LoadGenerator:
             t.join()
         return records, (begin, begin + window_s)
 
+    def closed_loop_held(self, concurrency: int, finished: int, spec: LoadSpec) -> tuple[list[RequestRecord], tuple[float, float]]:
+        """Fixed work at a held concurrency: `concurrency` client threads send requests (cycling
+        the prompts) until `finished` requests have ended; then the streams still open are
+        cancelled and their records marked `cut`. Returns the records and the window (0, the
+        moment the `finished`-th request ended), for `summarize(..., window=...)`: tokens/s counts
+        every token streamed until then, cut requests' included.
+
+        Why not `closed_loop` (the same requests, then stop): a burst of c requests drains one by
+        one, and its tokens/s is its slowest request's makespan. Speculation off runs requests of
+        one length in step, so its bursts end together; with speculation the requests of a burst
+        end at different steps and the last ones run in passes of a few rows: at 16 sessions, a
+        quarter of a cell's passes were that drain (docs/benchmarks.md). Held, the server runs at
+        `concurrency` to the end, as a server with that many clients does."""
+        if concurrency < 1 or finished < 1:
+            raise ValueError(f"need concurrency >= 1 and finished >= 1, got {concurrency}, {finished}")
+        calls = _OpenCalls()
+        lock = threading.Lock()
+        records: list[RequestRecord] = []
+        sent = 0
+        ended: list[float] = []  # when each request that ended did, in order
+        origin = time.perf_counter()
+
+        def worker() -> None:
+            nonlocal sent
+            while not calls.stopped:
+                with lock:
+                    prompt = self.prompts[sent % len(self.prompts)]
+                    sent += 1
+                rec = self._one(prompt, spec, origin, calls)
+                with lock:
+                    records.append(rec)
+                    if rec.cut or len(ended) >= finished:
+                        continue
+                    ended.append(rec.done if rec.done is not None else time.perf_counter() - origin)
+                    if len(ended) < finished:
+                        continue
+                calls.stop()
+
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return records, (0.0, ended[-1] if ended else time.perf_counter() - origin)
+
     def open_loop(self, arrivals: Sequence[float], spec: LoadSpec, max_in_flight: int = 64) -> tuple[list[RequestRecord], float]:
         """One request at each arrival time (seconds from now), cycling the prompts."""
         origin = time.perf_counter()

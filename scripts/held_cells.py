@@ -9,10 +9,11 @@ CPU use of each service and the target's verify passes (count, mean rows, mean t
 bench-load` runs every kind and level once per run; this repeats a few cells on one stack, where
 the swing between runs would hide a few percent.
 
-With `--requests N` a cell is fixed work instead of a timed window: N requests (the kind's
-prompts in turn) through CONCURRENCY client threads, tokens/s their tokens over the wall time.
-Greedy outputs are the same in every configuration, so every cell does the same work, and which
-phase of the sessions' prefill waves a window happens to catch no longer moves the figure.
+With `--requests N` a cell is fixed work instead of a timed window: CONCURRENCY client threads
+send the kind's prompts in turn until N requests have ended (the load held to the end, no drain:
+`LoadGenerator.closed_loop_held`), tokens/s every token streamed until then over that time.
+Greedy outputs are the same in every configuration, so every cell does about the same work, and
+which phase of the sessions' prefill waves a window happens to catch no longer moves the figure.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def main() -> None:
     parser.add_argument("--debug-log", action="store_true",
                         help="run the coordinator at --log-level DEBUG (each session's depth choices, with the cost "
                              "model's verify estimates and rates); the log directory is printed at the start")
+    parser.add_argument("--target-args", default="",
+                        help="extra arguments for the target service, space-separated (e.g. \"--straggler-wait-ms 120\")")
     parser.add_argument("--show-steps", action="store_true",
                         help="also print each request's k per step and accepted tokens, in finishing order")
     args = parser.parse_args()
@@ -92,7 +95,7 @@ def main() -> None:
     encoded = {p.id: target.encode(p.prompt, chat=p.chat) for p in prompts}
     log_dir = Path(tempfile.mkdtemp(prefix="held-cells-"))
     print(f"stack logs in {log_dir}", flush=True)
-    stack = start_stack(log_dir, method=args.method, k="auto",
+    stack = start_stack(log_dir, method=args.method, k="auto", target_args=args.target_args.split(),
                         coordinator_args=["--log-level", "DEBUG"] if args.debug_log else [])
     stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.target.address))
     services = {name: psutil.Process(getattr(stack, name).proc.pid) for name in ("target", "draft", "coordinator")}
@@ -114,8 +117,8 @@ def main() -> None:
                 before, start = {n: cpu_seconds(p) for n, p in services.items()}, time.time()
                 passes_before = verify_passes(stub)
                 if args.requests:
-                    records, wall = gen.closed_loop(args.concurrency, args.requests, spec)
-                    window = None
+                    records, window = gen.closed_loop_held(args.concurrency, args.requests, spec)
+                    wall = window[1]
                 else:
                     records, window = gen.closed_loop_for(args.concurrency, args.seconds, spec, 0.2)
                     wall = window[1]

@@ -99,3 +99,26 @@ def test_staggered_clients_start_apart_and_the_window_waits_for_the_last(server)
     firsts = sorted(r.sent for r in records)[:3]
     assert firsts[0] < 0.05 and firsts[1] == pytest.approx(0.1, abs=0.04) and firsts[2] == pytest.approx(0.2, abs=0.04)
     assert begin >= 0.2 + PREFILL_S
+
+
+def test_a_held_fixed_work_loop_stays_at_its_concurrency_until_the_asked_requests_end(server) -> None:
+    """`closed_loop_held`: no drain. Four clients, six requests to end: when the sixth ends, the
+    other clients' requests are still streaming and are cut, and the window closes at that end."""
+    servicer, address = server
+    prompts = [Prompt(id="p", kind="chat", chat=False, prompt="hi", max_tokens=TOKENS)]
+    gen = LoadGenerator(address, prompts, encode=lambda p: [1, 2, 3])
+    try:
+        records, (begin, end) = gen.closed_loop_held(4, 6, LoadSpec(max_tokens=TOKENS))
+    finally:
+        gen.close()
+    finished = sorted((r for r in records if r.done is not None), key=lambda r: r.done)
+    cut = [r for r in records if r.cut]
+    assert len(finished) == 6 and all(r.error is None for r in records)
+    assert begin == 0.0 and end == pytest.approx(finished[-1].done)
+    assert 3 <= len(cut) <= 4  # the other three clients' requests (and one sent as the run stopped)
+    assert servicer.most_in_flight == 4
+    s = summarize(records, end, window=(begin, end))
+    streamed_cut = sum(sum(r.chunk_tokens) for r in cut)
+    assert streamed_cut > 0  # the cut requests' tokens until then count
+    assert s["tokens_per_s"] == pytest.approx((6 * TOKENS + sum(
+        n for r in cut for t, n in zip(r.chunk_times, r.chunk_tokens) if t <= end)) / end, rel=0.01)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.bench_load import best_fixed, cell_order, cell_requests, cell_window, interleaved, split_requests
+from coordinator.bench_load import (best_fixed, cell_order, cell_requests, cell_window, interleaved, split_requests,
+                                   summarize_parts)
 from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
 
@@ -152,3 +153,15 @@ def test_cell_order_moves_every_configuration_to_new_neighbours() -> None:
     assert orders[0] == ["off", "k2", "k4", "k8", "auto"]
     after = [o[o.index("auto") - 1] if o.index("auto") else None for o in orders]
     assert len(set(after)) == 3, after  # auto follows a different cell in each of three runs
+
+
+def test_a_cells_parts_add_their_windows_tokens_and_times() -> None:
+    """Held parts count their windows' tokens, cut requests' included; a concurrency-1 part (no
+    window) counts its finished requests over its wall time."""
+    done = _record(0.0, [(1.0, 2), (2.0, 2)], [1, 1])
+    cut = RequestRecord("p", "kind", 0.0, first_token=1.5, chunk_times=[1.5, 2.5], chunk_tokens=[3, 5], cut=True)
+    held = summarize_parts([([done, cut], (0.0, 2.0)), ([_record(0.0, [(0.5, 4)], [1])], (0.0, 2.0))])
+    assert held["tokens_per_s"] == pytest.approx((2 + 2 + 3 + 4) / 4.0)
+    assert (held["completed"], held["cut"]) == (2, 1)
+    walls = summarize_parts([([done], 4.0), ([done], 4.0)])
+    assert walls["tokens_per_s"] == pytest.approx(8 / 8.0)
