@@ -132,6 +132,7 @@ class VerifyScheduler:
         self._passes = 0  # verify passes run (each pass's rows report its number)
         self._delivered_at: dict[int, float] = {}  # session id -> when its last result was handed out
         self._prefills_ahead = 0  # prefills run in a row while verifies waited (`next_prefill`)
+        self._last_end: float | None = None  # when the last pass (prefill or verify) ended
         self._queue: deque[_Work] = deque()
         self._cv = threading.Condition()
         self._stopped = False
@@ -225,7 +226,10 @@ class VerifyScheduler:
         missing = [(sid, "prefill queued" if sid in prefilling else
                     f"{1000 * (now - self._delivered_at[sid]):.0f} ms since its result" if sid in self._delivered_at
                     else "not prefilled") for sid in list(self.target.sessions) if sid not in rows]
-        log.debug("verify pass of %d rows, %d open; not in it: %s", len(batch), len(self.target.sessions),
+        since = [1000 * (w.enqueued - self._last_end) for w in batch] if self._last_end is not None else [0.0]
+        log.debug("verify pass of %d rows, %d open, the rows queued %.1f-%.1f ms after the last pass ended, "
+                  "starting %.1f ms after it; not in it: %s", len(batch), len(self.target.sessions), min(since),
+                  max(since), 1000 * (now - self._last_end) if self._last_end is not None else 0.0,
                   ", ".join(f"{sid} ({why})" for sid, why in missing) or "none")
 
     def _take_prefill(self) -> _Work | None:
@@ -251,6 +255,7 @@ class VerifyScheduler:
                 w.future.set_exception(exc)
             return
         end = time.perf_counter()
+        self._last_end = end
         compute_ms = (end - start) * 1000
         block = 1
         forward = getattr(self.target, "forward", None)
