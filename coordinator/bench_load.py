@@ -253,29 +253,24 @@ def interleaved(order: list[tuple[str, str]], parts: Sequence[int]) -> list[tupl
 
 
 def _fixed_work(gen: LoadGenerator, concurrency: int, requests: int, spec: LoadSpec, target_stub
-                ) -> tuple[list, float] | tuple[list, tuple[float, float]]:
-    """One part of a fixed-work cell: every prompt once per pass at concurrency 1 (records, wall);
-    above it `requests` requests at a held concurrency (`LoadGenerator.closed_loop_held`: records,
-    window), then the target is let to close the cut requests' sessions."""
+                ) -> tuple[list, tuple[float, float]]:
+    """One part of a fixed-work cell, as (records, window): every prompt once per pass at
+    concurrency 1 (the window its whole wall time); above it `requests` requests at a held
+    concurrency (`LoadGenerator.closed_loop_held`), then the target is let to close the cut
+    requests' sessions."""
     if concurrency == 1:
-        return gen.closed_loop(1, requests, spec)
+        records, wall = gen.closed_loop(1, requests, spec)
+        return records, (0.0, wall)
     held = gen.closed_loop_held(concurrency, requests, spec)
     wait_idle(target_stub)
     return held
 
 
-def summarize_parts(parts: Sequence[tuple[list, float] | tuple[list, tuple[float, float]]]) -> dict:
-    """A fixed-work cell's figures over its parts: tokens/s is every part's tokens (in its window,
-    where it has one) over their time together; the latencies, acceptance and k come from every
-    part's requests."""
-    tokens, seconds = 0.0, 0.0
-    for records, span in parts:
-        if isinstance(span, tuple):
-            tokens += window_tokens(records, *span)
-            seconds += span[1] - span[0]
-        else:
-            tokens += sum(r.tokens for r in records if r.error is None and r.done is not None)
-            seconds += span
+def summarize_parts(parts: Sequence[tuple[list, tuple[float, float]]]) -> dict:
+    """A fixed-work cell's figures over its parts: tokens/s is every part's tokens in its window
+    over their time together; the latencies, acceptance and k come from every part's requests."""
+    tokens = sum(window_tokens(records, *window) for records, window in parts)
+    seconds = sum(end - begin for _, (begin, end) in parts)
     merged = summarize([r for records, _ in parts for r in records], seconds)
     merged["tokens_per_s"] = round(tokens / seconds, 2) if seconds > 0 else 0.0
     return merged

@@ -386,12 +386,11 @@ class LoadGenerator:
                 rec = self._one(prompt, spec, origin, calls)
                 with lock:
                     records.append(rec)
-                    if rec.cut or len(ended) >= finished:
-                        continue
-                    ended.append(rec.done if rec.done is not None else time.perf_counter() - origin)
-                    if len(ended) < finished:
-                        continue
-                calls.stop()
+                    counts = not rec.cut and len(ended) < finished
+                    if counts:
+                        ended.append(rec.done if rec.done is not None else time.perf_counter() - origin)
+                if counts and len(ended) == finished:
+                    calls.stop()
 
         threads = [threading.Thread(target=worker) for _ in range(concurrency)]
         for t in threads:

@@ -188,14 +188,14 @@ class VerifyScheduler:
                 self._cv.wait()
             if self._stopped and not self._queue:
                 return None
-            prefill = self._take_prefill()
-            if prefill is not None:
-                return [prefill]
             start = time.perf_counter()
             floor_deadline = start + self.batch_wait
             budget = straggler_wait_s(self._pass_s, self.batch_wait, self.straggler_wait_cap)
             deadline = start + budget
             while True:
+                prefill = self._take_prefill()  # ahead of the pass; stragglers come back while it runs
+                if prefill is not None:
+                    return [prefill]
                 queued = {w.session.session_id for w in self._queue if w.proposal is not None}
                 now = time.perf_counter()
                 everyone_here = len(queued) >= len(self.target.sessions)
@@ -204,9 +204,6 @@ class VerifyScheduler:
                 if len(queued) >= self.max_batch_size or everyone_here or now >= until:
                     break
                 self._cv.wait(until - now)
-                prefill = self._take_prefill()  # the stragglers come back while it runs
-                if prefill is not None:
-                    return [prefill]
             self._prefills_ahead = 0
             batch: list[_Work] = []
             rest: deque[_Work] = deque()
@@ -226,11 +223,11 @@ class VerifyScheduler:
         missing = [(sid, "prefill queued" if sid in prefilling else
                     f"{1000 * (now - self._delivered_at[sid]):.0f} ms since its result" if sid in self._delivered_at
                     else "not prefilled") for sid in list(self.target.sessions) if sid not in rows]
-        since = [1000 * (w.enqueued - self._last_end) for w in batch] if self._last_end is not None else [0.0]
+        last_end = self._last_end if self._last_end is not None else now
+        since = [1000 * (w.enqueued - last_end) for w in batch]
         log.debug("verify pass of %d rows, %d open, the rows queued %.1f-%.1f ms after the last pass ended, "
                   "starting %.1f ms after it; not in it: %s", len(batch), len(self.target.sessions), min(since),
-                  max(since), 1000 * (now - self._last_end) if self._last_end is not None else 0.0,
-                  ", ".join(f"{sid} ({why})" for sid, why in missing) or "none")
+                  max(since), 1000 * (now - last_end), ", ".join(f"{sid} ({why})" for sid, why in missing) or "none")
 
     def _take_prefill(self) -> _Work | None:
         """Removes and returns the prefill to run now, if any (`next_prefill`); under `_cv`."""

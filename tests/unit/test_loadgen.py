@@ -156,12 +156,12 @@ def test_cell_order_moves_every_configuration_to_new_neighbours() -> None:
 
 
 def test_a_cells_parts_add_their_windows_tokens_and_times() -> None:
-    """Held parts count their windows' tokens, cut requests' included; a concurrency-1 part (no
-    window) counts its finished requests over its wall time."""
+    """Held parts count their windows' tokens, cut requests' included; a concurrency-1 part's
+    window is its whole wall time."""
     done = _record(0.0, [(1.0, 2), (2.0, 2)], [1, 1])
     cut = RequestRecord("p", "kind", 0.0, first_token=1.5, chunk_times=[1.5, 2.5], chunk_tokens=[3, 5], cut=True)
     held = summarize_parts([([done, cut], (0.0, 2.0)), ([_record(0.0, [(0.5, 4)], [1])], (0.0, 2.0))])
     assert held["tokens_per_s"] == pytest.approx((2 + 2 + 3 + 4) / 4.0)
     assert (held["completed"], held["cut"]) == (2, 1)
-    walls = summarize_parts([([done], 4.0), ([done], 4.0)])
+    walls = summarize_parts([([done], (0.0, 4.0)), ([done], (0.0, 4.0))])
     assert walls["tokens_per_s"] == pytest.approx(8 / 8.0)
