@@ -237,6 +237,7 @@ class SpeculativeEngine:
             gen.token_ids.extend(out)
             echo = EchoLookup(context()) if echoing else None
             yield out
+            held: list[int] | None = None  # the last step's tokens, streamed once the next step is sent
             while gen.finish_reason is None:
                 step += 1
                 if target.session.room <= 0:
@@ -267,6 +268,17 @@ class SpeculativeEngine:
                 ahead = None
                 if self.pipeline and draft is not None and proposal.tokens and wanted > 0:
                     ahead = draft.start_ahead(list(proposal.tokens), wanted + 1, step)
+                if held is not None and not target.overlaps:
+                    yield held  # an in-process verify runs in the call: stream first
+                    held = None
+                t = time.perf_counter()
+                pending = target.start_verify(proposal, gen.token_ids)
+                if held is not None:
+                    # Sent: the last step's tokens go to the client while the target verifies. At
+                    # 16 sessions the coordinator's per-step work is serialized by its interpreter
+                    # lock, and streaming first held every next block back from the pass.
+                    yield held
+                    held = None
                 guess = None
                 if echo is not None and not proposal.tokens:
                     guess = echo.guess()
@@ -277,8 +289,7 @@ class SpeculativeEngine:
                         controller.observe_shadow_fill(len(shadow_draft), depth)  # type: ignore[union-attr]
                 elif shadow is not None:
                     shadow.drop()
-                t = time.perf_counter()
-                outcome = target.verify(proposal, gen.token_ids)
+                outcome = pending.result()
                 verify_s = time.perf_counter() - t
                 _pass_features(target, draft, step)
                 if ahead is not None:
@@ -316,7 +327,9 @@ class SpeculativeEngine:
                 gen.token_ids.extend(out)
                 if echo is not None:
                     echo.extend(out)
-                yield out
+                held = out
+            if held is not None:
+                yield held
         finally:
             gen.duration = time.perf_counter() - start
             if controller is not None:

@@ -124,6 +124,26 @@ class FailoverOutcome(VerifyOutcome):
     """The token a re-opened session's prefill answered, standing in for a failed verify step."""
 
 
+class PendingVerify:
+    """A verify step started by `TargetLink.start_verify`: `result()` is its outcome, or after a
+    failover a FailoverOutcome holding just the next token."""
+
+    __slots__ = ("link", "call", "generated", "outcome")
+
+    def __init__(self, link: "TargetLink", call: Any, generated: Sequence[int], outcome: VerifyOutcome | None = None):
+        self.link, self.call, self.generated, self.outcome = link, call, generated, outcome
+
+    def result(self) -> VerifyOutcome:
+        if self.outcome is None:
+            try:
+                self.outcome = self.call.result()
+            except Exception as exc:
+                if not is_target_failure(exc):
+                    raise
+                self.outcome = self.link._failed(exc, self.generated)
+        return self.outcome
+
+
 class TargetLink:
     """A request's target session, moved to another replica when its replica fails."""
 
@@ -152,12 +172,29 @@ class TargetLink:
 
     def verify(self, proposal: Proposal, generated: Sequence[int]) -> VerifyOutcome:
         """The step's outcome; after a failover a FailoverOutcome holding just the next token."""
+        return self.start_verify(proposal, generated).result()
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the session sends a verify step and reads its reply in two calls (a remote
+        one), so that other work can run while the target verifies (`start_verify`)."""
+        return hasattr(self.session, "start_verify")
+
+    def start_verify(self, proposal: Proposal, generated: Sequence[int]) -> "PendingVerify":
+        """Start the step: sent now where the session `overlaps`, else run now. `generated`
+        (the tokens emitted so far, what a failover re-opens the session with) must not change
+        until `result()` is read."""
         try:
-            return self.session.verify(proposal)
+            if self.overlaps:
+                return PendingVerify(self, self.session.start_verify(proposal), generated)  # type: ignore[attr-defined]
+            return PendingVerify(self, None, generated, self.session.verify(proposal))
         except Exception as exc:
             if not is_target_failure(exc):
                 raise
-            return FailoverOutcome(num_accepted=0, tokens=[self._failover(exc, generated)])
+            return PendingVerify(self, None, generated, self._failed(exc, generated))
+
+    def _failed(self, exc: Exception, generated: Sequence[int]) -> VerifyOutcome:
+        return FailoverOutcome(num_accepted=0, tokens=[self._failover(exc, generated)])
 
     def _failover(self, exc: BaseException, generated: Sequence[int]) -> int:
         while True:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -208,28 +209,40 @@ class RemoteTargetSession:
         return opened.first_token_id
 
     def verify(self, proposal: Proposal) -> VerifyOutcome:
+        return self.start_verify(proposal).result()
+
+    def start_verify(self, proposal: Proposal) -> "_PendingVerify":
+        """Send the verify step now; `result()` on what this returns waits for its reply. The
+        engine sends the next block before it streams the last step's tokens to the client, so
+        that work overlaps the target's pass instead of delaying it (coordinator/engine.py)."""
         block = target_pb2.VerifyBlock(draft_token_ids=proposal.tokens)
         probs = probs_to_proto(proposal.probs)
         if probs is not None:
             block.draft_probs.CopyFrom(probs)
         request = target_pb2.TargetRequest(verify=block)
         tel = self.telemetry
-        start = time.perf_counter()
-        if tel is None or not tel.tracing:
-            reply = self.stream.call(request, self.step_timeout).verified
-        else:
+        pending = _PendingVerify(self, len(proposal.tokens))
+        if tel is not None and tel.tracing:
             k, tel.k = tel.k, 0
-            with tel.span("verify", {"specd.k": k, "specd.draft_tokens": len(proposal.tokens)}) as span:
-                inject_into(span, request.trace_context)
-                reply = self.stream.call(request, self.step_timeout).verified
-                span.set_attributes({"specd.accepted_tokens": reply.num_accepted, "specd.batch_size": reply.batch_size,
-                                     "specd.verify_ms": reply.verify_ms, "specd.queue_ms": reply.queue_ms,
-                                     "specd.session_id": self.session_id})
-        wall = time.perf_counter() - start
+            pending.span = pending.scope.enter_context(
+                tel.span("verify", {"specd.k": k, "specd.draft_tokens": len(proposal.tokens)}))
+            inject_into(pending.span, request.trace_context)
+        self.stream.send(request)
+        pending.sent_at = time.perf_counter()
+        return pending
+
+    def _finish_verify(self, pending: "_PendingVerify") -> VerifyOutcome:
+        with pending.scope:  # the span, when tracing: ended here, with the error if the reply failed
+            reply = self.stream.receive(self.step_timeout).verified
+            if pending.span is not None:
+                pending.span.set_attributes({"specd.accepted_tokens": reply.num_accepted,
+                                             "specd.batch_size": reply.batch_size, "specd.verify_ms": reply.verify_ms,
+                                             "specd.queue_ms": reply.queue_ms, "specd.session_id": self.session_id})
+        wall = time.perf_counter() - pending.sent_at
         self.times.verify_wall_ms += wall * 1000
         self.times.verify_ms += reply.verify_ms
-        if tel is not None and tel.metrics:
-            tel.record_verify(len(proposal.tokens), reply.num_accepted, wall)
+        if self.telemetry is not None and self.telemetry.metrics:
+            self.telemetry.record_verify(pending.drafted, reply.num_accepted, wall)
         self._room = reply.context_room
         self.new_features = features_from_proto(reply.features) if reply.HasField("features") else None
         return RemoteVerifyOutcome(num_accepted=reply.num_accepted, tokens=list(reply.token_ids),
@@ -385,6 +398,22 @@ class _PendingBlock:
 
     def result(self) -> Proposal:
         return self.session._finish_ahead(self.k, self.sent_at)
+
+
+class _PendingVerify:
+    """A verify step in flight; `result()` waits for its reply. `scope` holds the step's client
+    span while it is open (tracing on), so the span covers the whole call."""
+
+    __slots__ = ("session", "drafted", "sent_at", "span", "scope")
+
+    def __init__(self, session: RemoteTargetSession, drafted: int):
+        self.session, self.drafted = session, drafted
+        self.sent_at = 0.0
+        self.span: Any = None
+        self.scope = ExitStack()
+
+    def result(self) -> VerifyOutcome:
+        return self.session._finish_verify(self)
 
 
 class RemoteProposer:
