@@ -884,6 +884,7 @@ class SharedAcceptance:
         self._window = window
         self._sessions: deque[tuple[float, float]] = deque(maxlen=sessions_kept)  # (acceptance, fill)
         self.version = 0  # counts reported sessions: what is derived from them may be cached on it
+        self._caps: tuple[tuple[int, float], list[float | None]] | None = None  # position_caps, by estimator step
         self._lock = threading.Lock()
         self.lo, self.hi = lo, hi
 
@@ -932,8 +933,11 @@ class SharedAcceptance:
         session's controller puts on positions it has not drafted itself."""
         with self._lock:
             est = self._estimator
-            rates = est.position_rates
-            return [r if n >= min_trials else None for r, n in zip(rates, est.trials)]
+            key = (est.steps, min_trials)  # asked at every step of every session; changes with drafted steps only
+            if self._caps is None or self._caps[0] != key:
+                rates = est.position_rates
+                self._caps = (key, [r if n >= min_trials else None for r, n in zip(rates, est.trials)])
+            return list(self._caps[1])
 
     def _clamp(self, alpha: float) -> float:
         return min(max(alpha, self.lo), self.hi)

@@ -18,11 +18,11 @@ leaves k = 0 on its own evidence, without the probes that at 16 sessions lengthe
 row's pass (held code-edit cells at 16 sessions after completions: auto's time in verify passes
 went from 1.29x fixed k = 4's to 1.02x; docs/benchmarks.md, "Shadow drafts").
 
-The lookup is one numpy pass over the context per k = 0 step, in the coordinator: no draft call
-and no verify positions, so the disabled path still costs the replicas nothing. `EchoLookup` keeps
-the context as an array that grows with the output, so a step does not convert the whole context
-(a list of 700 tokens took 18 us a step, the array 3: at 16 sessions the coordinator's work
-between one pass and the next is serialized by its interpreter lock).
+The lookups run in the coordinator at every k = 0 step: no draft call and no verify positions,
+so the disabled path still costs the replicas nothing. `EchoLookup` keeps the context in an
+`NgramIndex` (draft_service/proposers/ngram.py), so a step's guess and shadow draft are a few
+dict lookups, not a numpy pass over the context each (together about 40 us a step at 300
+tokens): at 16 sessions the coordinator's work shares the two cores with the target's pass.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from draft_service.proposers.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramSession, find_ngram_continuation
+from draft_service.proposers.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramIndex, find_ngram_continuation
 
 # proposers that draft by looking up the context: n-gram, suffix, and the head, which copies from
 # its context where the context repeats (draft_service/proposers/copying.py; same 3-token match)
@@ -53,23 +53,24 @@ def echo_hit(guess: int | None, produced: Sequence[int]) -> bool:
 
 
 class EchoLookup:
-    """One request's context for `echo_guess` and the n-gram proposer's draft, kept in the
-    proposer's own session (a growing int64 array: `NgramSession`)."""
+    """One request's context for `echo_guess` and the n-gram proposer's draft, kept in an
+    `NgramIndex`: each step's lookups are dict lookups, not a pass over the context."""
 
     def __init__(self, tokens: Sequence[int]):
-        self._context = NgramSession(tokens, DEFAULT_MIN_N, DEFAULT_MAX_N)
+        self._context = NgramIndex(tokens, max(DEFAULT_MAX_N, ECHO_MAX_N))
 
     def extend(self, tokens: Sequence[int]) -> None:
-        self._context.append(tokens)
+        self._context.extend(tokens)
 
     def guess(self) -> int | None:
         """`echo_guess` of the context so far."""
-        return echo_guess(self._context.tokens)
+        found = self._context.continuation(1, ECHO_MIN_N, ECHO_MAX_N)
+        return found[0] if found else None
 
     def ngram_draft(self, k: int) -> list[int]:
         """The n-gram proposer's draft of k tokens (its default pattern lengths) from the context
         so far: what it would send if asked now."""
-        return self._context.propose(k).tokens
+        return self._context.continuation(k, DEFAULT_MIN_N, DEFAULT_MAX_N)
 
 
 class ShadowDraft:

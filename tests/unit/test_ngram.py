@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting: find_ngram_continuation and NgramSession."""
+"""Prompt-lookup drafting: find_ngram_continuation, NgramSession and NgramIndex."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from draft_service.proposers.ngram import NgramProposer, find_ngram_continuation
+from draft_service.proposers.ngram import NgramIndex, NgramProposer, find_ngram_continuation
 from specd.sampling import SamplingParams
 
 
@@ -117,3 +117,26 @@ def test_session_buffer_grows() -> None:
     assert session.tokens.tolist() == pattern * 8
     session.append([0, 1])
     assert session.propose(4).tokens == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 5])
+def test_the_index_finds_what_the_scan_finds_as_the_sequence_grows(vocab):
+    """NgramIndex against find_ngram_continuation on random sequences over small vocabularies
+    (many repeats), built on a prompt of every length 0..12 and grown one token and several at a time."""
+    rng = random.Random(vocab)
+    for prompt_len in range(13):
+        seq = [rng.randrange(vocab) for _ in range(prompt_len)]
+        index = NgramIndex(seq)
+        for _ in range(25):
+            grow = [rng.randrange(vocab) for _ in range(rng.choice([1, 1, 2, 3]))]
+            seq += grow
+            index.extend(grow)
+            assert index.tokens == seq
+            for k, min_n, max_n in [(1, 3, 4), (5, 1, 4), (2, 2, 3), (3, 1, 1), (0, 1, 4)]:
+                assert index.continuation(k, min_n, max_n) == find_ngram_continuation(seq, k, min_n, max_n), \
+                    (seq, k, min_n, max_n)
+
+
+def test_the_index_refuses_patterns_longer_than_it_keeps():
+    with pytest.raises(ValueError, match="max_n 5"):
+        NgramIndex([1, 2, 3], max_n=4).continuation(1, 1, 5)
