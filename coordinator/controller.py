@@ -45,6 +45,7 @@ __all__ = [
     "LoadSignal",
     "PassPeers",
     "SharedAcceptance",
+    "acceptance_lower_bound",
     "best_depth",
     "depth_rates",
     "expected_tokens",
@@ -217,6 +218,20 @@ def best_depth(
     return k, rates[k]
 
 
+def acceptance_lower_bound(rate: float, trials: float, z: float) -> float:
+    """`rate` less z standard errors of a proportion seen over `trials` (decayed) trials, at
+    least 0: what a session's acceptance is priced at in a batch (`DepthController._packed_rates`).
+
+    A session drafts when its estimate is high, and with the few trials of a short request the
+    estimate is high by chance as often as by merit: the steps that follow a "yes" then accept
+    less than it said (regression to the mean). In a batch a wrong "on" lengthens every row's
+    pass; alone it costs the session only."""
+    r = min(max(float(rate), 0.0), 1.0)
+    if z <= 0 or trials <= 0:
+        return r
+    return max(r - z * math.sqrt(r * (1.0 - r) / trials), 0.0)
+
+
 def batch_margin(margin: float, batch_size: int) -> float:
     """The margin by which speculating must beat plain decoding in a pass of `batch_size` rows:
     `margin` times sqrt(batch_size).
@@ -383,6 +398,15 @@ class AcceptanceEstimator:
         first one, which held code edits at the depth they happened to start at."""
         a, w = self.alpha, self.prior_weight
         return (sum(self.successes[1:]) + w * a) / (sum(self.trials[1:]) + w)
+
+    def profile_evidence(self, depth: int) -> list[float]:
+        """The (decayed) trials behind each of `profile(depth)`'s rates, prior included: a
+        drafted position's own, an unseen one's the continuation's (positions 1 and on), or the
+        pooled weight before any step drafted."""
+        w = self.prior_weight
+        seen = [n + w for n in self.trials[:depth]]
+        unseen = sum(self.trials[1:]) + w if self.trials else self.weight
+        return seen + [unseen] * (depth - len(seen))
 
     def profile(self, depth: int) -> list[float]:
         """`position_rates` for positions 0..depth - 1, the unseen ones at `continuation_rate`
@@ -1135,6 +1159,7 @@ class DepthController:
         estimator: AcceptanceEstimator | None = None,
         shared: "SharedAcceptance | None" = None,
         peers: PassPeers | None = None,
+        batch_z: float = 1.0,
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -1165,6 +1190,7 @@ class DepthController:
         self.probe_max_interval = probe_max_interval
         self.probe_k = min(max(probe_k, 1), k_max) if k_max > 0 else 0
         self.probe_alpha = probe_alpha
+        self.batch_z = batch_z  # in a packed batch, own acceptance priced this many standard errors low
         if estimator is None:
             # Seeded from the shared rate, but lightly: its sessions ran other prompts.
             estimator = (AcceptanceEstimator(alpha0=shared.seed, prior_weight=2.0, ceilings=shared.position_caps)
@@ -1285,6 +1311,10 @@ class DepthController:
         what-if (`optimistic`)."""
         cm = self.cost_model
         profile = self.estimator.profile(self.k_max) if optimistic is None else None
+        if profile is not None and self.batch_z > 0:  # its own estimate: priced at a lower bound
+            evidence = self.estimator.profile_evidence(len(profile))
+            profile = [acceptance_lower_bound(r, n, self.batch_z) for r, n in zip(profile, evidence)]
+            alpha = acceptance_lower_bound(alpha, self.estimator.weight, self.batch_z)
         penalty = load_penalty(load)
         plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
         return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max, fill, profile,

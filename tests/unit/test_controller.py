@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from coordinator.controller import (
     ECHO_STREAK_MAX,
     PROBE_EPOCH_PASSES,
     AcceptanceEstimator,
+    acceptance_lower_bound,
     CostModel,
     DepthController,
     LoadSignal,
@@ -1273,7 +1275,52 @@ def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts()
     others[0]._commit(2)  # a peer drafts: the pass is packed anyway
     assert good.target(load) > 0
     copiers = controllers_on_one_replica([0.95] * 8 + [0.05] * 8, cm)  # eight share the jump
+    for s in copiers:  # the split alone, at the estimates as they are (0.7 % from the boundary)
+        s.batch_z = 0.0
     assert all(s.target(load) > 0 for s in copiers[:8]) and all(s.target(load) == 0 for s in copiers[8:])
+
+
+def test_acceptance_lower_bound_is_the_rate_less_z_standard_errors() -> None:
+    assert acceptance_lower_bound(0.7, 8.0, 1.0) == pytest.approx(0.7 - math.sqrt(0.21 / 8))
+    assert acceptance_lower_bound(0.7, 8.0, 0.0) == 0.7  # z = 0: the estimate itself
+    assert acceptance_lower_bound(1.0, 3.0, 1.0) == 1.0 and acceptance_lower_bound(0.0, 3.0, 1.0) == 0.0
+    assert acceptance_lower_bound(0.5, 1.0, 3.0) == 0.0  # never below 0
+    assert acceptance_lower_bound(0.7, 800.0, 1.0) > acceptance_lower_bound(0.7, 8.0, 1.0)  # evidence narrows it
+
+
+def packed_cost_model_at_16() -> CostModel:
+    """Packed passes at 16 rows: 200 ms plain, 5 ms a draft position (extraction at 16 sessions
+    on the CI machines: 198 ms plain passes, about 4.9 ms a position), no jump."""
+    cm = CostModel()
+    for _ in range(16):
+        for extra in (0, 8, 16, 32):
+            cm.observe_verify(16, 2, 200.0 + 5.0 * extra, positions=16 + extra, packed=True)
+    return cm
+
+
+def test_in_a_batch_a_high_estimate_from_a_few_trials_does_not_turn_speculation_on() -> None:
+    """A short request's estimate after a copied span (three of four blocks of 2 accepted whole)
+    reads 0.7 and more, and priced at that a block of 2 pays at 16 rows; the lower bound of so
+    few trials does not, while the same acceptance over many steps does. Alone the estimate is
+    used as it is (a wrong "on" costs the session only)."""
+    cm = packed_cost_model_at_16()
+    load = LoadSignal(0, 16)
+
+    def session(steps: list[tuple[int, int]], z: float = 1.0) -> DepthController:
+        est = AcceptanceEstimator(alpha0=0.5, prior_weight=2.0)
+        for drafted, accepted in steps:
+            est.update(drafted, accepted)
+        controller = DepthController(K_MAX, cm, estimator=est, batch_z=z)
+        controller.batch_size = 16
+        return controller
+
+    few = [(2, 2), (2, 2), (2, 0), (2, 2)]
+    assert session(few, z=0.0).target(load) > 0  # the point estimate says draft
+    assert session(few).target(load) == 0
+    assert session(few * 6).target(load) > 0  # the same rate, seen six times as often
+    alone = session(few)
+    alone.batch_size = 1
+    assert alone.target(LoadSignal(0, 1)) > 0
 
 
 def test_unseen_positions_are_capped_by_what_the_methods_sessions_accepted_there() -> None:
