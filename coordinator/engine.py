@@ -6,7 +6,10 @@
             draft k tokens (skipped when k = 0; the draft session is opened on first use and
                 closed while the controller keeps speculation off, so a disabled path costs nothing)
             verify them in one target pass -> accepted draft tokens + 1 target token
-            tell the draft what was appended; emit the new tokens; check stop conditions
+            tell the draft what was appended; check stop conditions; emit the new tokens
+            (with a session that sends and reads a verify in two calls, the remote one, a
+            step's tokens are emitted once the next step's block is sent: the client's share
+            of the step overlaps the target's pass)
 
 Pipelined drafting (`pipeline=True`): while the target verifies block n, the draft drafts block
 n+1 as if block n were accepted whole (`propose_ahead`): its first token is a guess of the
@@ -22,7 +25,7 @@ session after a backoff; every target call goes through a `TargetLink`, which re
 session on another replica from the prompt plus the tokens emitted so far and continues.
 
 Later transports (gRPC, Ray) plug different session objects into the same loop: the loop only
-needs `prefill`, `verify`, `room` from the target session and `propose`, `append`, `close`
+needs `prefill`, `verify` (or `start_verify`), `room` from the target session and `propose`, `append`, `close`
 (and `propose_ahead` for pipelining; `start_ahead` if the transport can overlap it with the
 verify call) from the draft session.
 """
