@@ -170,10 +170,6 @@ class TargetLink:
                 raise
             return self._failover(exc, generated)
 
-    def verify(self, proposal: Proposal, generated: Sequence[int]) -> VerifyOutcome:
-        """The step's outcome; after a failover a FailoverOutcome holding just the next token."""
-        return self.start_verify(proposal, generated).result()
-
     @property
     def overlaps(self) -> bool:
         """Whether the session sends a verify step and reads its reply in two calls (a remote
@@ -181,7 +177,8 @@ class TargetLink:
         return hasattr(self.session, "start_verify")
 
     def start_verify(self, proposal: Proposal, generated: Sequence[int]) -> "PendingVerify":
-        """Start the step: sent now where the session `overlaps`, else run now. `generated`
+        """Start the step (its `result()`: the outcome, after a failover a FailoverOutcome holding
+        just the next token): sent now where the session `overlaps`, else run now. `generated`
         (the tokens emitted so far, what a failover re-opens the session with) must not change
         until `result()` is read."""
         try:

@@ -94,9 +94,6 @@ class NgramIndex:
             dict(zip(zip(*(seq[j:ends] for j in range(n))), range(n - 1, ends))) for n in range(1, max_n + 1)]
         self._indexed = max(ends, 0)  # n-grams ending before this position are in the index
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     def extend(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)
         seq = self.tokens
