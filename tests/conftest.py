@@ -31,6 +31,21 @@ def target():
 
 
 @pytest.fixture(scope="session")
+def served_target():
+    """The default target as the target service runs it: its linear layers on oneDNN
+    (`specd serve target`'s default kernel). The in-process exactness tests speculate with it and
+    compare with transformers' stock generation on `target` (`references`), as the end-to-end
+    tests compare the services; on this project's CPU machines its passes also take about a
+    quarter less time, which CI's budget needs."""
+    from specd.cpu_kernels import use_linear_kernel
+    from specd.models import load_model
+
+    model = load_model()
+    use_linear_kernel(model.model, "onednn")
+    return model
+
+
+@pytest.fixture(scope="session")
 def workload_prompts() -> list[Prompt]:
     return load_prompts(default_prompts_path())
 

@@ -125,18 +125,18 @@ def test_server_keeps_serving_after_errors(oai, model_name):
     assert oai.completions.create(model=model_name, prompt="Hello", max_tokens=3, temperature=0).usage.completion_tokens == 3
 
 
-
-
-
 def test_429_at_the_session_limit_and_503_while_draining(stack, tmp_path):
     """A second target limited to one session, and a coordinator of its own that we drain."""
-    from specd.launcher import free_port, start_service
+    from specd.launcher import free_port, launch_service
 
-    target = start_service("target", ["--max-sessions", "1"], tmp_path)
+    target = launch_service("target", ["--max-sessions", "1"], tmp_path)
     http_port = free_port()
-    coordinator = start_service("coordinator", ["--target", target.address, "--draft", stack.draft.address,
-                                                "--http-port", str(http_port), "--grace-seconds", "20"], tmp_path)
+    # launched together: the coordinator imports while the target loads, then waits for it
+    coordinator = launch_service("coordinator", ["--target", target.address, "--draft", stack.draft.address,
+                                                 "--http-port", str(http_port), "--grace-seconds", "20"], tmp_path)
     try:
+        target.wait_healthy()
+        coordinator.wait_healthy()
         oai = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=120)
         model = oai.models.list().data[0].id
         long_stream = oai.completions.create(model=model, prompt="Tell a long story.", max_tokens=60, temperature=0,

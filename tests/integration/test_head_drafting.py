@@ -28,8 +28,9 @@ from tests.conftest import EXACTNESS_MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
-def shipped_head(target):
-    return load_head(default_head_dir(None), target.model, vocab_hash(target.tokenizer, target.vocab_size))
+def shipped_head(served_target):
+    return load_head(default_head_dir(None), served_target.model,
+                     vocab_hash(served_target.tokenizer, served_target.vocab_size))
 
 
 def test_features_are_the_targets_hidden_states_at_the_kept_positions(tmp_path):
@@ -62,9 +63,10 @@ AUTO_PROMPTS = 6  # the shipped head runs every workload prompt once: these at a
 
 
 @pytest.mark.parametrize("k", [4])  # k = 1..3 blocks run through the same padded verify (other methods test them)
-def test_shipped_head_greedy_equals_target_only(k, target, shipped_head, references, workload_prompts):
-    engine = SpeculativeEngine(TargetModel(target), make_proposer("head", head=shipped_head, max_context=target.max_context),
-                               k=k, eos_token_ids=target.eos_token_ids)
+def test_shipped_head_greedy_equals_target_only(k, served_target, shipped_head, references, workload_prompts):
+    engine = SpeculativeEngine(TargetModel(served_target),
+                               make_proposer("head", head=shipped_head, max_context=served_target.max_context),
+                               k=k, eos_token_ids=served_target.eos_token_ids)
     accepted = 0
     for p in workload_prompts[AUTO_PROMPTS:]:  # the auto test below runs the others
         ids, expected = references[p.id]
@@ -74,9 +76,10 @@ def test_shipped_head_greedy_equals_target_only(k, target, shipped_head, referen
     assert accepted > 0, "the shipped head never had a token accepted"
 
 
-def test_shipped_head_auto_depth_pipelined_equals_target_only(target, shipped_head, references, workload_prompts):
-    engine = SpeculativeEngine(TargetModel(target), make_proposer("head", head=shipped_head, max_context=target.max_context),
-                               k=8, eos_token_ids=target.eos_token_ids, depth=DepthPolicy("auto", 8), pipeline=True)
+def test_shipped_head_auto_depth_pipelined_equals_target_only(served_target, shipped_head, references, workload_prompts):
+    engine = SpeculativeEngine(TargetModel(served_target),
+                               make_proposer("head", head=shipped_head, max_context=served_target.max_context),
+                               k=8, eos_token_ids=served_target.eos_token_ids, depth=DepthPolicy("auto", 8), pipeline=True)
     for p in workload_prompts[:AUTO_PROMPTS]:
         ids, expected = references[p.id]
         gen = engine.generate(ids, SamplingParams(max_tokens=min(p.max_tokens, EXACTNESS_MAX_TOKENS))).run()
