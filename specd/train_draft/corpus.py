@@ -88,13 +88,20 @@ def _paragraphs(text: str) -> Iterator[str]:
             yield block
 
 
+# Source files read per prompt asked for, within the caps below: parsing every standard-library
+# module takes about 20 s on a 2-core machine, which a run of a few hundred prompts need not pay.
+# Each file yields several functions and paragraphs, so the sources still outnumber the prompts.
+FILES_PER_PROMPT = 8
+MAX_PYTHON_FILES, MAX_DOC_FILES = 1500, 3000
+
+
 def build_prompts(count: int, seed: int = 0) -> list[TrainingPrompt]:
     """`count` prompts mixed over the templates: about 45 % code, 35 % text, 10 % questions,
-    10 % raw continuations."""
+    10 % raw continuations. The same (count, seed) gives the same prompts."""
     rng = random.Random(seed)
     functions: list[tuple[str, str, str]] = []
     module_names: list[str] = []
-    for path in _python_files(1500):
+    for path in _python_files(min(MAX_PYTHON_FILES, max(100, FILES_PER_PROMPT * count))):
         try:
             source = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -102,7 +109,7 @@ def build_prompts(count: int, seed: int = 0) -> list[TrainingPrompt]:
         functions.extend(_functions(source))
         module_names.append(path.stem)
     paragraphs: list[str] = []
-    for path in _doc_files(3000):
+    for path in _doc_files(min(MAX_DOC_FILES, max(200, 2 * FILES_PER_PROMPT * count))):
         try:
             paragraphs.extend(_paragraphs(path.read_text(encoding="utf-8", errors="ignore")))
         except OSError:
