@@ -116,23 +116,27 @@ def start_stack(log_dir: Path, draft_model: str | None = None, method: str = "ng
     (0: a free one); services left out serve no metrics."""
     mp = metrics_ports or {}
     # Started together: most of a service's start-up is importing torch and loading models, and
-    # the coordinator waits for a target replica itself (`fetch_model_info`); launched as soon as
-    # the draft is up, it imports while the target loads. On the 2-core CI machine a stack came
-    # up in 38 s one by one.
+    # the coordinator waits for a target replica itself (`fetch_model_info`, 30 s); launched as
+    # soon as the draft is up, it imports while the target loads. On the 2-core CI machine a stack
+    # came up in 38 s one by one, 20 s so. A target slower than that wait (a large model, a first
+    # GGUF conversion) leaves a coordinator that gave up: it is launched again once the target is up.
+    def launch_coordinator() -> Service:
+        return launch_service("coordinator", ["--target", target.address, "--draft", draft.address,
+                                              "--method", method, "--k", str(k)]
+                              + (["--http-port", str(http_port)] if http_port is not None else [])
+                              + list(coordinator_args or []), log_dir, metrics_port=mp.get("coordinator"))
+
     target = launch_service("target", target_args or [], log_dir, metrics_port=mp.get("target"))
     draft = launch_service("draft", ["--method", method] + (["--model", draft_model] if draft_model else []), log_dir,
                            metrics_port=mp.get("draft"))
     started = [target, draft]
     try:
         draft.wait_healthy()
-        coordinator = launch_service("coordinator", ["--target", target.address, "--draft", draft.address,
-                                                     "--method", method, "--k", str(k)]
-                                     + (["--http-port", str(http_port)] if http_port is not None else [])
-                                     + list(coordinator_args or []), log_dir,
-                                     metrics_port=mp.get("coordinator"))
-        started.append(coordinator)
+        started.append(launch_coordinator())
         target.wait_healthy()
-        coordinator.wait_healthy()
+        if started[-1].proc.poll() is not None:
+            started[-1] = launch_coordinator()
+        coordinator = started[-1].wait_healthy()
     except BaseException:
         for s in reversed(started):
             s.stop()
