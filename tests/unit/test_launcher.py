@@ -31,25 +31,20 @@ def launched(monkeypatch, tmp_path):
     up: set[str] = set()
     slow_target = {"on": False}
 
+    started: list[launcher.Service] = []
+
     def launch(service: str, args: list[str], log_dir: Path, metrics_port: int | None = None, port: int | None = None):
         events.append(f"launch {service}")
         gives_up = slow_target["on"] and service == "coordinator" and "target" not in up
-        return launcher.Service(service, len(events), FakeProcess(exited=gives_up), tmp_path / service)
+        started.append(launcher.Service(service, len(events), FakeProcess(exited=gives_up), tmp_path / service))
+        return started[-1]
 
     def healthy(address: str, timeout: float, tls=None) -> None:
         name = {s.address: s.name for s in started}[address]
         events.append(f"healthy {name}")
         up.add(name)
 
-    started: list[launcher.Service] = []
-    real_launch = launch
-
-    def tracking_launch(*args, **kwargs):
-        service = real_launch(*args, **kwargs)
-        started.append(service)
-        return service
-
-    monkeypatch.setattr(launcher, "launch_service", tracking_launch)
+    monkeypatch.setattr(launcher, "launch_service", launch)
     monkeypatch.setattr(launcher, "wait_healthy", healthy)
     return events, started, slow_target
 
