@@ -1629,8 +1629,8 @@ class DepthController:
         followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
         of them in a row make the next k = 0 step a probe step (more after echo probes that failed).
 
-        `shadow` (a step that drafted nothing): a draft the proposer would have made at an
-        earlier k = 0 step, judged on the output since, as (drafted, accepted)
+        `shadow`: a draft the proposer would have made at an earlier k = 0 step, judged on the
+        output since (at this step, whether it drafted or not), as (drafted, accepted)
         (coordinator/echo.py's `ShadowDraft`). It is a trial like a drafted step's that cost
         nothing, and counts as one: a session at k = 0 learns its acceptance from its own output,
         so a copying one leaves k = 0 when its shadows say so, with no probe that lengthens
@@ -1645,10 +1645,10 @@ class DepthController:
             self._probed = False
             self._idle_steps = self._interval
         self._drafted = self._drafted or k > 0
-        if k == 0 and shadow is not None:
-            self.estimator.update(*shadow)
-        else:
+        if k > 0 or shadow is None:
             self.estimator.update(k, num_accepted)
+        if shadow is not None:  # a shadow started at an earlier k = 0 step, judged now
+            self.estimator.update(*shadow)
         if requested:
             share = min(k / requested, 1.0)
             self.fill.add(share, FILL_WINDOW)

@@ -80,8 +80,14 @@ class ShadowDraft:
     The n-gram proposer's draft is a function of the context alone, and the target's output is
     the same whatever was drafted (exactness), so the block it would have drafted is accepted
     exactly as far as it agrees with the tokens that then come: position 0 with the next token,
-    position 1 with the one after, up to the first disagreement. One shadow at a time; a step
-    that drafts for real drops it (its own block is the evidence then)."""
+    position 1 with the one after, up to the first disagreement. One shadow at a time, started
+    at a k = 0 step and judged to its end even when the session drafts for real meanwhile: the
+    session's block is as deep as it asks, the shadow as deep as it could go next
+    (`DepthController.shadow_depth`), and the shadow's verdict on the deeper positions is what
+    lets it ask deeper. Dropped at the first real draft, a code edit's shadow of 8 that had
+    matched its first tokens gave way to an echo probe of 2, after which the session priced
+    positions 2 and on at the method's caps (0.18 after completions) and drafted 1-2 tokens a
+    step at 16 sessions, where fixed k = 4 ran 1.15x faster."""
 
     def __init__(self) -> None:
         self._draft: list[int] = []

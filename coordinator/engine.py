@@ -290,8 +290,6 @@ class SpeculativeEngine:
                         shadow_draft = echo.ngram_draft(depth)
                         shadow.start(shadow_draft)
                         controller.observe_shadow_fill(len(shadow_draft), depth)  # type: ignore[union-attr]
-                elif shadow is not None:
-                    shadow.drop()
                 outcome = pending.result()
                 verify_s = time.perf_counter() - t
                 _pass_features(target, draft, step)

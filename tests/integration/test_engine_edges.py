@@ -235,6 +235,63 @@ def test_k_0_steps_judge_the_n_gram_shadow_drafts_as_the_target_would_have(tiny)
     assert any(accepted > 0 for _, accepted in expected), expected  # the output copies: hits were judged
 
 
+class _DraftsOnceListening(_HeldOffListening):
+    """Held at k = 0 but for one step (0-based among the steps after the prefill) at k = 1; records
+    (k, accepted, shadow verdict) of every step."""
+
+    def __init__(self, draft_at: int) -> None:
+        super().__init__()
+        self.draft_at = draft_at
+        self.steps: list[tuple[int, int, tuple[int, int] | None]] = []
+
+    def choose(self, load=None, remaining=None) -> int:
+        k = 1 if len(self.history) == self.draft_at else 0
+        self.history.append(k)
+        return k
+
+    def observe(self, k, num_accepted, *args, shadow=None, **kwargs) -> None:
+        self.steps.append((k, num_accepted, shadow))
+        super().observe(k, num_accepted, *args, shadow=shadow, **kwargs)
+
+
+def test_a_shadow_started_at_k_0_is_judged_to_its_end_while_the_session_drafts(tiny):
+    """A shadow pending when the session drafts for real (an echo probe) is still judged on the
+    output that follows, and its verdict reaches the controller at the step that decides it: its
+    deeper positions are what a shallow real block cannot try. Replayed step by step: shadows
+    start at k = 0 steps with none pending, on the context before the step, and every step's
+    tokens feed the pending one, drafted or not."""
+    prompt = [3, 9, 4, 3, 9, 4, 3, 9]
+    out = reference(tiny, prompt, 40)
+    # held at k = 0, the first shadow that goes through its first position and is two or more
+    # long starts at step t (producing out[t]) and is still pending at step t + 1: draft there
+    t = next(t for t in range(1, len(out) - 1) if len(draft := find_ngram_continuation(prompt + out[:t], 8)) >= 2
+             and draft[0] == out[t] and draft[1] == out[t + 1])
+    controller = _DraftsOnceListening(draft_at=t)  # steps are counted from 1, history from 0
+    engine = SpeculativeEngine(TargetModel(tiny), make_proposer("ngram"), depth=_OneController(controller),
+                               eos_token_ids=frozenset())
+    assert engine.generate(prompt, SamplingParams(max_tokens=40)).run().token_ids == out
+    expected, draft, matched, produced = [], [], 0, 1  # out[0] came from the prefill
+    for k, accepted, _ in controller.steps:
+        if k == 0 and not draft:
+            draft, matched = find_ngram_continuation(prompt + out[:produced], controller.k_max), 0
+        tokens = out[produced:produced + accepted + 1]
+        produced += len(tokens)
+        verdict = None
+        for token in tokens if draft else []:
+            if token != draft[matched]:
+                verdict = (len(draft), matched)
+                break
+            matched += 1
+            if matched == len(draft):
+                verdict = (len(draft), matched)
+                break
+        if verdict is not None:
+            draft = []
+        expected.append(verdict)
+    assert controller.steps[t][0] == 1  # it drafted at step t + 1
+    assert [shadow for _, _, shadow in controller.steps] == expected
+
+
 def test_a_fixed_k_teaches_its_replicas_cost_model_what_its_passes_cost(tiny):
     """A fixed k has no controller, yet its drafted passes are what auto sessions on the same
     replica need to price a depth (at 16 sessions they may draft nothing themselves): its steps

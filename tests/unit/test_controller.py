@@ -1406,6 +1406,16 @@ def test_in_a_batch_depth_grows_by_doubling_what_has_been_seen() -> None:
 
 
 
+def test_a_shadow_judged_at_a_drafted_step_counts_as_well_as_the_block() -> None:
+    """A shadow of 8 started at a k = 0 step, decided at a step that drafted 2 (both accepted):
+    the block tries positions 0-1, the shadow positions 0-6 (6 accepted, the seventh not)."""
+    c = DepthController(K_MAX)
+    c.observe(2, 2, 1.0, 50.0, 1, shadow=(8, 6))
+    trials = c.estimator.trials
+    assert len(trials) == 7 and trials[0] == pytest.approx(2.0, rel=0.05) and trials[2] == pytest.approx(1.0)
+    assert c.estimator.successes[5] == pytest.approx(1.0) and c.estimator.successes[6] == 0.0
+
+
 def test_in_a_batch_shadow_drafts_that_copy_turn_speculation_on_deep() -> None:
     """At k = 0 the n-gram proposer's block is known without drafting, and the output that follows
     judges it (`ShadowDraft`): a free trial. In a packed batch of 16 after prompts that did not
