@@ -253,8 +253,9 @@ class VerifyScheduler:
             return
         end = time.perf_counter()
         if batch[0].proposal is None and log.isEnabledFor(logging.DEBUG):
-            log.debug("prefill of %d tokens: %.1f ms, starting %.1f ms after the last pass ended", len(batch[0].session.prompt_ids),
-                      1000 * (end - start), 1000 * (start - (self._last_end if self._last_end is not None else start)))
+            after = start - (self._last_end if self._last_end is not None else start)
+            log.debug("prefill of %d tokens: %.1f ms, starting %.1f ms after the last pass ended",
+                      len(batch[0].session.prompt_ids), 1000 * (end - start), 1000 * after)
         self._last_end = end
         compute_ms = (end - start) * 1000
         block = 1

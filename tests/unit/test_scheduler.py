@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -17,6 +18,7 @@ PASS_S = 0.06
 class FakeSession:
     def __init__(self, session_id: int):
         self.session_id = session_id
+        self.prompt_ids = [1, 2, 3]
 
     def check_block(self, proposal: Proposal) -> None:
         pass
@@ -139,6 +141,16 @@ def run_queued(submissions: list[tuple[str, int]], max_batch_size: int = 8) -> l
 def test_queued_prefills_run_before_an_older_verify_and_then_every_row_joins_one_pass() -> None:
     order = run_queued([("verify", 1), ("verify", 2), ("prefill", 3), ("verify", 4), ("prefill", 5)])
     assert order == ["p3", "p5", "v1,2,4"]
+
+
+def test_at_debug_level_every_prefill_and_verify_pass_is_logged(caplog) -> None:
+    """The lines `held_cells.py --target-args "--log-level DEBUG"` reads to split a cell's time."""
+    with caplog.at_level(logging.DEBUG, logger="target_service.scheduler"):
+        order = run_queued([("verify", 1), ("prefill", 2)])
+    assert order == ["p2", "v1"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(line.startswith("prefill of 3 tokens: ") for line in lines) == 2  # session 0's, then 2's
+    assert any(line.startswith("verify pass of 1 rows, 3 open") for line in lines), lines
 
 
 def test_verifies_wait_for_no_more_than_a_batch_of_prefills_ahead_of_them() -> None:
