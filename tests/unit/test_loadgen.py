@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.bench_load import (best_fixed, cell_order, cell_requests, cell_window, interleaved, split_requests,
-                                   summarize_parts)
+                                   summarize_parts, useless_draft_cells)
 from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
 
@@ -165,3 +165,29 @@ def test_a_cells_parts_add_their_windows_tokens_and_times() -> None:
     assert (held["completed"], held["cut"]) == (2, 1)
     walls = summarize_parts([([done], (0.0, 4.0)), ([done], (0.0, 4.0))])
     assert walls["tokens_per_s"] == pytest.approx(8 / 8.0)
+
+
+class _CountingGenerator:
+    """A load generator at concurrency 1 whose passes take the time their depth asks: off 1 s a
+    request, k = 4 2 s, auto 1.25 s; every request streams 10 tokens. It records the order."""
+
+    SECONDS = {"0": 1.0, "4": 2.0, "auto": 1.25}
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def closed_loop(self, concurrency: int, requests: int, spec) -> tuple[list[RequestRecord], float]:
+        assert concurrency == 1 and spec.method == ("none" if spec.depth == "0" else "draft_model")
+        self.calls.append((spec.depth, requests))
+        seconds = self.SECONDS[spec.depth]
+        return [_record(0.0, [(seconds, 10)], [0]) for _ in range(requests)], seconds * requests
+
+
+def test_useless_draft_cells_interleave_their_passes_and_add_them_up() -> None:
+    gen = _CountingGenerator()
+    cells = useless_draft_cells(gen, requests=2, passes=3, run=0, max_tokens=32)
+    assert cells == pytest.approx({"off": 10.0, "k4": 5.0, "auto": 8.0})
+    depths = [k for k, _ in gen.calls]
+    assert sorted(depths) == sorted(["0", "4", "auto"] * 3) and all(n == 2 for _, n in gen.calls)
+    assert all(a != b for a, b in zip(depths, depths[1:])), depths  # no configuration twice in a row
+    assert {depths[0], depths[3], depths[6]} == {"0", "4", "auto"}  # each leads one round
