@@ -867,6 +867,12 @@ FILL_WINDOW = 16.0
 # pass costs more than PROBE_BUDGET of the time.
 PROBE_EPOCH_PASSES = 16
 PROBE_BUDGET = 0.02
+# A session whose method's recent prompts did not pay still probes now and then, in case this one
+# does: at most this share of its time (`_gated_interval`). Insurance against a draft that has
+# failed its last 32 sessions, which at 2 % took a probe in most 32-token requests at concurrency 1
+# (a probe of 2 from the useless draft model: 17 ms over a 40 ms step), and with the first
+# sessions' probes kept auto at 0.93-0.99x speculation off; with no probes it read 1.00x.
+GATED_PROBE_BUDGET = 0.01
 # A probe step costing at most this share of a plain step over it is cheap: an unproven session
 # takes its first probe whatever its method's recent prompts did (alone with an n-gram draft).
 CHEAP_PROBE = 0.25
@@ -1428,6 +1434,7 @@ class DepthController:
                 self._commit(target)
         k = self.k
         assert k is not None
+        due = ""
         if k == 0 and self.k_max > 0:
             self._idle_steps += 1
             optimistic = max(self.estimator.alpha, self.probe_alpha)
@@ -1451,7 +1458,7 @@ class DepthController:
                     k = depth
         if log.isEnabledFor(logging.DEBUG):
             log.debug("depth: session %x step %d chose k %d (committed %d%s)", id(self), len(self.history), k, self.k,
-                      ", echo probe" if self._probed and self._echo_probe else ", probe" if self._probed else "")
+                      f", {due} probe" if self._probed and k != self.k else "")
         self.history.append(k)
         return k
 
@@ -1480,11 +1487,12 @@ class DepthController:
         period = probe_period(plain_ms, self.cost_model.verify_ms(self.probe_k + 1, b))
         return self.probe_k if self.peers.probe_slot(plain_ms / 1000.0, period) else 0
 
-    def _probe_due(self, unproven: bool, load: LoadSignal | None) -> bool:
-        """Whether this k = 0 step is a probe step: one whose last ECHO_STREAK tokens echoed the
-        context (the output started copying); the first (an unproven session) and the early
-        re-probes when early probes pay (`_early_probes_pay`); the first also when a probe costs
-        at most CHEAP_PROBE of a plain step; else one every `_gated_interval` idle steps.
+    def _probe_due(self, unproven: bool, load: LoadSignal | None) -> str:
+        """Why this k = 0 step is a probe step ("" when it is not; the DEBUG log names it): "echo",
+        one whose last ECHO_STREAK tokens echoed the context (the output started copying); "first"
+        (an unproven session) and "early" re-probes when early probes pay (`_early_probes_pay`);
+        the first also when a probe costs at most CHEAP_PROBE of a plain step ("cheap"); else
+        "gated", one every `_gated_interval` idle steps.
 
         The first probe is gated like the early ones unless it is cheap: a useless draft model
         paid for one probe per request (about 3 % of a 32-token request at concurrency 1, half
@@ -1502,13 +1510,19 @@ class DepthController:
         probes pay are the ones whose output copies its context, and their echoes say so for
         free, two steps after the copy starts."""
         if self._echo_streak >= self._echo_needed:
-            return True
+            return "echo"
+        gated = "gated"
         if self.echoes and self._batch(load) > 1:  # echoes call the probes that pay here
-            return self._idle_steps >= self.probe_interval and self._idle_steps >= self._gated_interval(load)
+            return gated if self._gated_due(load) else ""
         if self._idle_steps < self._interval and not unproven:
-            return False
-        if self._early_probes_pay(load) or (unproven and self._probe_extra_cost(load) <= CHEAP_PROBE):
-            return True
+            return ""
+        if self._early_probes_pay(load):
+            return "first" if unproven else "early"
+        if unproven and self._probe_extra_cost(load) <= CHEAP_PROBE:
+            return "cheap"
+        return gated if self._gated_due(load) else ""
+
+    def _gated_due(self, load: LoadSignal | None) -> bool:
         # the gated interval is at least `probe_interval`: below it, no cost lookups on this step
         return self._idle_steps >= self.probe_interval and self._idle_steps >= self._gated_interval(load)
 
@@ -1522,11 +1536,11 @@ class DepthController:
 
     def _gated_interval(self, load: LoadSignal | None) -> int:
         """Idle steps between the probes of a session whose method's recent prompts did not pay:
-        `probe_interval`, or more where a probe step costs more than PROBE_BUDGET of the steps
-        between (`probe_period`): alone, a probe of 2 from a draft model cost about 1.6 plain
-        steps, so 16 steps between probes spent 4 % of the time on a draft that never paid."""
+        `probe_interval`, or more where a probe step costs more than GATED_PROBE_BUDGET of the
+        steps between (`probe_period`): alone, a probe of 2 from a draft model cost about 1.6
+        plain steps, so 16 steps between probes spent 4 % of the time on a draft that never paid."""
         plain_ms, probe_ms = self._probe_step_ms(load)
-        return probe_period(plain_ms, probe_ms, least=self.probe_interval)
+        return probe_period(plain_ms, probe_ms, budget=GATED_PROBE_BUDGET, least=self.probe_interval)
 
     def _probe_step_ms(self, load: LoadSignal | None) -> tuple[float, float]:
         """A plain step's and a probe step's estimated time at this load. A probe from k = 0

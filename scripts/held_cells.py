@@ -30,7 +30,7 @@ import psutil
 from coordinator.bench_load import wait_idle
 from coordinator.loadgen import LoadGenerator, LoadSpec, summarize
 from specd.launcher import start_stack
-from specd.models import load_model
+from specd.models import load_model, save_tiny_random_model
 from specd.workloads import default_prompts_path, load_prompts, prompts_of_kind
 from specdec.v1 import target_pb2, target_pb2_grpc
 
@@ -76,6 +76,9 @@ def main() -> None:
                         help="comma list of kinds to run first, unmeasured (each config once, as the cells): "
                              "the state a kind meets in `specd bench-load`, which runs the kinds in turn")
     parser.add_argument("--method", default="ngram", help="drafting method of the stack and every cell (default ngram)")
+    parser.add_argument("--tiny-draft", action="store_true",
+                        help="give the draft service bench-load's useless draft, a tiny random model (use with "
+                             "--method draft_model)")
     parser.add_argument("--debug-log", action="store_true",
                         help="run the coordinator at --log-level DEBUG (each session's depth choices, with the cost "
                              "model's verify estimates and rates); the log directory is printed at the start")
@@ -95,7 +98,11 @@ def main() -> None:
     encoded = {p.id: target.encode(p.prompt, chat=p.chat) for p in prompts}
     log_dir = Path(tempfile.mkdtemp(prefix="held-cells-"))
     print(f"stack logs in {log_dir}", flush=True)
-    stack = start_stack(log_dir, method=args.method, k="auto", target_args=args.target_args.split(),
+    tiny = (save_tiny_random_model(log_dir / "tiny-draft", vocab_size=target.vocab_size, hidden_size=64,
+                                   tokenizer_from=target.tokenizer, max_position_embeddings=8192)
+            if args.tiny_draft else None)
+    stack = start_stack(log_dir, draft_model=str(tiny) if tiny else None, method=args.method, k="auto",
+                        target_args=args.target_args.split(),
                         coordinator_args=["--log-level", "DEBUG"] if args.debug_log else [])
     stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.target.address))
     services = {name: psutil.Process(getattr(stack, name).proc.pid) for name in ("target", "draft", "coordinator")}

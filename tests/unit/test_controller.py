@@ -14,6 +14,7 @@ from coordinator.controller import (
     CHEAP_PROBE,
     ECHO_STREAK,
     ECHO_STREAK_MAX,
+    GATED_PROBE_BUDGET,
     PROBE_EPOCH_PASSES,
     AcceptanceEstimator,
     CostModel,
@@ -674,14 +675,15 @@ def test_in_a_batch_a_session_that_hears_echoes_probes_on_echoes_not_on_recent_p
 def test_a_draft_no_recent_prompt_accepted_probes_only_at_the_gated_interval() -> None:
     """A useless draft (every recent session ended near 0): a new session does not probe at its
     first step nor at the early re-probes, only every `_gated_interval` steps, which keeps the
-    probes within PROBE_BUDGET of the time (a probe step from a slow draft costs more than 16
-    plain steps' 2 %); a method some of whose recent prompts paid probes at the first step."""
+    probes within GATED_PROBE_BUDGET of the time (a probe step from a slow draft costs more than
+    16 plain steps' 1 %); a method some of whose recent prompts paid probes at the first step."""
     useless = shared_after_sessions([0.01] * 32)
     cm = draft_model_cost_model()
     off = make_controller("auto", K_MAX, cm, useless)
     interval = off._gated_interval(None)
     assert interval > off.probe_interval
-    assert interval == probe_period(cm.verify_ms(1, 1), cm.verify_ms(3, 1) + cm.draft_ms(2))
+    assert interval == probe_period(cm.verify_ms(1, 1), cm.verify_ms(3, 1) + cm.draft_ms(2), budget=GATED_PROBE_BUDGET)
+    assert interval > probe_period(cm.verify_ms(1, 1), cm.verify_ms(3, 1) + cm.draft_ms(2))  # half PROBE_BUDGET's
     probes = [t for t, k in enumerate(run_session(off, [0.0] * 150)) if k > 0]
     assert probes and probes[0] == interval - 1, probes  # idle steps count from the first step
     # run_session's steps report free drafts, so the learnt probe cost and the interval fall
