@@ -22,6 +22,9 @@ generation.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -59,8 +62,11 @@ class OneDnnLinear(nn.Linear):
     once, so weights changed later are not seen (load, then swap)."""
 
     packed_weight: torch.Tensor | None = None
+    single_row_on_torch = False  # a product of one token row runs on torch's kernel (`tune_single_row`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.single_row_on_torch and x.numel() == x.shape[-1]:
+            return nn.functional.linear(x, self.weight, self.bias)
         return _onednn_linear(x, self.weight if self.packed_weight is None else self.packed_weight, self.bias)
 
 
@@ -108,3 +114,49 @@ def use_linear_kernel(model: nn.Module, kernel: str) -> int:
         module.__class__ = OneDnnLinear
         module.packed_weight = pack_weight(module.weight)
     return len(cpu_float32)
+
+
+def _kernel_seconds(call: Callable[[], object], iters: int) -> float:
+    """The median time of `call`, over `iters` calls."""
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def torch_is_faster(torch_s: list[float], onednn_s: list[float]) -> bool:
+    """Whether torch's kernel won: the sum of its per-round medians is below oneDNN's. Rounds
+    alternate the kernels, so that both see the same machine state."""
+    return sum(torch_s) < sum(onednn_s)
+
+
+def tune_single_row(model: nn.Module, rounds: int = 3, iters: int = 7) -> int:
+    """Times a product of one token row on torch's kernel and on oneDNN's packed one, once per
+    weight shape of `model`'s oneDNN layers, and runs one-row products on the faster one (wider
+    products stay on oneDNN). Returns how many layers now run one row on torch's kernel.
+
+    Which wins depends on the machine: on the 2-core machines this was first measured on, oneDNN
+    took a forward pass of one token from 66.3 to 49.6 ms; on a later one (Sapphire Rapids, AMX),
+    torch's one-core product of one row ran the whole pass in 31.3 ms against oneDNN's 38.3, while
+    oneDNN still won every wider shape (a block of 2: 42.0 against 48.9 ms; docs/benchmarks.md,
+    "One-row products on the faster kernel"). One row is plain decoding: a session at k = 0, the
+    off path. Call it on the thread that runs the model, with its torch threads set: MKL's
+    one-row product and oneDNN's differ in how many threads they use."""
+    layers = [m for m in model.modules() if type(m) is OneDnnLinear and m.packed_weight is not None]
+    choice: dict[tuple, bool] = {}
+    with torch.inference_mode():
+        for module in layers:
+            key = (tuple(module.weight.shape), module.bias is not None)
+            if key not in choice:
+                x = torch.randn(1, 1, module.in_features, dtype=module.weight.dtype)
+                torch_s, onednn_s = [], []
+                for _ in range(rounds):
+                    torch_s.append(_kernel_seconds(lambda: nn.functional.linear(x, module.weight, module.bias), iters))
+                    onednn_s.append(_kernel_seconds(lambda: _onednn_linear(x, module.packed_weight, module.bias), iters))
+                choice[key] = torch_is_faster(torch_s, onednn_s)
+                log.info("one-row product %s: torch %.0f us, oneDNN %.0f us", key[0], 1e6 * min(torch_s),
+                         1e6 * min(onednn_s))
+            module.single_row_on_torch = choice[key]
+    return sum(m.single_row_on_torch for m in layers)

@@ -176,11 +176,23 @@ class VerifyScheduler:
             torch.set_num_threads(self.torch_threads)
             log.info("model thread: %d torch threads, the main thread serial (one OpenMP team)",
                      torch.get_num_threads())
+        self._tune_kernels()
         while True:
             batch = self._next_batch()
             if batch is None:
                 return
             self._execute(batch)
+
+    def _tune_kernels(self) -> None:
+        """One-row products on the faster kernel, timed here, on the thread and threads that run
+        the passes (specd/cpu_kernels.py, `tune_single_row`); about 0.2 s for the bundled model."""
+        from specd.cpu_kernels import runs_onednn, tune_single_row
+
+        module = getattr(getattr(self.target, "model", None), "model", None)
+        if module is None or not runs_onednn(module):
+            return
+        tuned = tune_single_row(module)
+        log.info("one-row products: %d linear layers on torch's kernel, the rest on oneDNN's", tuned)
 
     def _next_batch(self) -> list[_Work] | None:
         with self._cv:

@@ -95,3 +95,38 @@ def test_runs_onednn_reads_the_output_embeddings():
     use_linear_kernel(model, "onednn")
     assert cpu_kernels.runs_onednn(model)
     assert not cpu_kernels.runs_onednn(nn.Linear(2, 2))  # no output embeddings at all
+
+
+def test_tuning_puts_one_row_products_on_the_faster_kernel_and_leaves_wider_ones_on_onednn(monkeypatch):
+    model = TiedLM()
+    use_linear_kernel(model, "onednn")
+    reference = TiedLM()  # torch's kernel throughout
+    calls = []
+    real = cpu_kernels._onednn_linear
+    monkeypatch.setattr(cpu_kernels, "_onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "torch_is_faster", lambda torch_s, onednn_s: True)
+    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1) == 3
+    ids = torch.randint(0, 300, (1, 5))
+    calls.clear()
+    with torch.inference_mode():
+        assert torch.equal(model(ids[:, :1]), reference(ids[:, :1]))  # one row: torch's very product
+        assert not calls
+        torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 3  # five rows: every layer on oneDNN
+    monkeypatch.setattr(cpu_kernels, "torch_is_faster", lambda torch_s, onednn_s: False)
+    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1) == 0
+    calls.clear()
+    with torch.inference_mode():
+        model(ids[:, :1])
+    assert len(calls) == 3
+
+
+def test_the_faster_kernel_is_the_one_with_the_lower_sum_of_round_medians():
+    assert cpu_kernels.torch_is_faster([1.0, 1.2, 0.9], [1.1, 1.1, 1.1])
+    assert not cpu_kernels.torch_is_faster([1.0, 2.0, 0.9], [1.1, 1.1, 1.1])  # one slow round counts
+
+
+def test_tuning_a_model_without_onednn_layers_changes_nothing():
+    model = TiedLM()
+    assert cpu_kernels.tune_single_row(model) == 0
+    assert type(model.up) is nn.Linear

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 
 import pytest
 
@@ -186,3 +187,50 @@ def test_the_model_thread_takes_the_torch_threads_the_serial_main_thread_gave_up
         assert torch.get_num_threads() == 1, "the main thread stays serial"
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_model_thread_tunes_one_row_products_with_its_own_threads_before_its_first_pass(monkeypatch) -> None:
+    """`tune_single_row` runs on the scheduler's thread, at the torch threads the passes get
+    (MKL's one-row product and oneDNN's use different thread counts), before any pass."""
+    import torch
+    from torch import nn
+
+    from specd import cpu_kernels
+
+    if not cpu_kernels.onednn_linear_works():
+        pytest.skip("this torch build has no oneDNN linear op")
+    tuned_on: list[tuple[str, int]] = []
+
+    def tune(module, *args, **kwargs):
+        tuned_on.append((threading.current_thread().name, torch.get_num_threads()))
+        return 0
+
+    monkeypatch.setattr(cpu_kernels, "tune_single_row", tune)
+
+    class WithHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(8, 16)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+    class ModelTarget(FakeTarget):
+        def __init__(self) -> None:
+            super().__init__(1)
+            self.model = types.SimpleNamespace(model=WithHead())
+            cpu_kernels.use_linear_kernel(self.model.model, "onednn")
+
+        def verify_batch(self, items):
+            assert tuned_on, "a pass ran before the kernels were tuned"
+            return super().verify_batch(items)
+
+    before = torch.get_num_threads()
+    target = ModelTarget()
+    scheduler = VerifyScheduler(target, torch_threads=before + 1)  # type: ignore[arg-type]
+    try:
+        scheduler.verify(target.sessions[0], Proposal([5]))  # type: ignore[arg-type]
+    finally:
+        scheduler.stop()
+        torch.set_num_threads(before)
+    assert tuned_on == [("specd-model", before + 1)]
