@@ -72,5 +72,6 @@ def main() -> None:
         print(f"| {shape[0]} x {shape[1]} | {aten:.1f} | {packed:.1f} | {tuned:.1f} | {tuned / packed:.2f} | "
               f"{tuned / aten:.2f} |")
 
+
 if __name__ == "__main__":
     main()

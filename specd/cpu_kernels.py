@@ -10,7 +10,8 @@ takes 5.4 ms and 7.8 ms there. On the whole model, one forward pass at 400 cache
 process (docs/benchmarks.md, "oneDNN linear layers"): 1 token 66.3 -> 49.6 ms, 5 tokens 101.5 ->
 65.7 ms, 9 tokens 117.4 -> 73.6 ms, 4 sessions x 1 token 119.0 -> 74.2 ms. With the weights
 packed once into oneDNN's layout (`pack_weight`) instead of reordered on every call, a further
-0.59-0.81x ("Packed oneDNN weights" there).
+0.59-0.81x ("Packed oneDNN weights" there). Not on every CPU: where torch's kernel multiplies one
+row faster, the target runs one-row products on it (`tune_single_row`, timed at start).
 
 The two kernels sum in different orders, so logits differ in the last bits (about 1e-4 on
 logits of magnitude 10-30), as MKL's own one-row and five-row products already do. Greedy output
