@@ -1458,7 +1458,7 @@ class DepthController:
                     k = depth
         if log.isEnabledFor(logging.DEBUG):
             log.debug("depth: session %x step %d chose k %d (committed %d%s)", id(self), len(self.history), k, self.k,
-                      f", {due} probe" if self._probed and k != self.k else "")
+                      f", {due} probe" if self._probed else "")
         self.history.append(k)
         return k
 
@@ -1511,16 +1511,15 @@ class DepthController:
         free, two steps after the copy starts."""
         if self._echo_streak >= self._echo_needed:
             return "echo"
-        gated = "gated"
         if self.echoes and self._batch(load) > 1:  # echoes call the probes that pay here
-            return gated if self._gated_due(load) else ""
+            return "gated" if self._gated_due(load) else ""
         if self._idle_steps < self._interval and not unproven:
             return ""
         if self._early_probes_pay(load):
             return "first" if unproven else "early"
         if unproven and self._probe_extra_cost(load) <= CHEAP_PROBE:
             return "cheap"
-        return gated if self._gated_due(load) else ""
+        return "gated" if self._gated_due(load) else ""
 
     def _gated_due(self, load: LoadSignal | None) -> bool:
         # the gated interval is at least `probe_interval`: below it, no cost lookups on this step
