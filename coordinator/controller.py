@@ -354,12 +354,17 @@ class AcceptanceEstimator:
         # per position, the most an unseen position may be assumed to accept (None: no cap)
         self.ceilings = ceilings
 
-    def update(self, num_drafted: int, num_accepted: int) -> None:
-        """Record one verify step: num_drafted proposed, the first num_accepted of them accepted."""
-        if num_drafted < 0 or not 0 <= num_accepted <= num_drafted:
-            raise ValueError(f"bad step: {num_accepted} accepted of {num_drafted} drafted")
-        self.steps += 1
-        if self._prior_n + sum(self.trials) > self.prior_weight:
+    def update(self, num_drafted: int, num_accepted: int, first: int = 0) -> None:
+        """Record one verify step: num_drafted proposed, the first num_accepted of them accepted.
+
+        `first` > 0: only positions `first` and on are news (a shadow draft that ran past a
+        drafted step's block, coordinator/echo.py; the block's own update judged the rest and aged
+        the evidence for the step), so nothing decays and only those positions count."""
+        if num_drafted < 0 or not 0 <= num_accepted <= num_drafted or first < 0:
+            raise ValueError(f"bad step: {num_accepted} accepted of {num_drafted} drafted (from position {first})")
+        if first == 0:
+            self.steps += 1
+        if first == 0 and self._prior_n + sum(self.trials) > self.prior_weight:
             self._prior_s *= self.decay
             self._prior_n *= self.decay
             self.successes = [s * self.decay for s in self.successes]
@@ -368,7 +373,7 @@ class AcceptanceEstimator:
         if len(self.trials) < tried:
             self.successes.extend([0.0] * (tried - len(self.trials)))
             self.trials.extend([0.0] * (tried - len(self.trials)))
-        for i in range(tried):
+        for i in range(first, tried):
             self.trials[i] += 1.0
             if i < num_accepted:
                 self.successes[i] += 1.0
@@ -1290,6 +1295,17 @@ class DepthController:
         against fixed k = 4's 320, for 4.1 tokens a step against 3.2."""
         return min(self._depth_reach(), self.k_max) if self.batch_size > 1 else self.k_max
 
+    def shadow_depth_beyond(self, drafted: int) -> int:
+        """The depth of a shadow draft at a step whose block drafts `drafted` tokens, 0 for none:
+        in a batch, `shadow_depth` when that is deeper than the block, so that a session learns
+        about the positions past its block while it drafts (coordinator/echo.py's
+        `ShadowDraft`); alone, none (a session alone chooses among every depth, with no
+        `_depth_reach` to grow)."""
+        if drafted <= 0 or self.batch_size <= 1:
+            return 0
+        depth = self.shadow_depth()
+        return depth if depth > drafted else 0
+
     def observe_shadow_fill(self, drafted: int, depth: int) -> None:
         """A k = 0 step asked the proposer's lookup for a shadow of `depth` tokens and it found
         `drafted` (0: no match in the context): in a batch, the session's fill learns from it as
@@ -1642,12 +1658,14 @@ class DepthController:
         followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
         of them in a row make the next k = 0 step a probe step (more after echo probes that failed).
 
-        `shadow`: a draft the proposer would have made at an earlier k = 0 step, judged on the
-        output since (at this step, whether it drafted or not), as (drafted, accepted)
-        (coordinator/echo.py's `ShadowDraft`). It is a trial like a drafted step's that cost
-        nothing, and counts as one: a session at k = 0 learns its acceptance from its own output,
-        so a copying one leaves k = 0 when its shadows say so, with no probe that lengthens
-        every row's pass, as deep as its copies have gone through (`shadow_depth`)."""
+        `shadow`: a draft the proposer would have made at an earlier step, judged on the output
+        since (at this step, whether it drafted or not), as (drafted, accepted) or (drafted,
+        accepted, covered) (coordinator/echo.py's `ShadowDraft`). It is a trial like a drafted
+        step's that cost nothing, and counts as one: a session at k = 0 learns its acceptance from
+        its own output, so a copying one leaves k = 0 when its shadows say so, with no probe that
+        lengthens every row's pass, as deep as its copies have gone through (`shadow_depth`).
+        `covered` > 0: the shadow ran beside a drafted block of that many tokens
+        (`shadow_depth_beyond`), which judged those positions; only the ones past it count."""
         if num_accepted > 0:  # drafts go through: echoes are worth a probe again
             self._echo_needed = ECHO_STREAK
         elif self._echo_probe and k > 0:  # an echo probe that failed: the next one waits for more echoes
@@ -1660,8 +1678,12 @@ class DepthController:
         self._drafted = self._drafted or k > 0
         if k > 0 or shadow is None:
             self.estimator.update(k, num_accepted)
-        if shadow is not None:  # a shadow started at an earlier k = 0 step, judged now
-            self.estimator.update(*shadow)
+        if shadow is not None:  # a shadow started at an earlier step, judged now
+            drafted, accepted, covered = (*shadow, 0)[:3]
+            if covered == 0:
+                self.estimator.update(drafted, accepted)
+            elif accepted >= covered:  # past the block it ran beside: its block judged the rest
+                self.estimator.update(drafted, accepted, first=covered)
         if requested:
             share = min(k / requested, 1.0)
             self.fill.add(share, FILL_WINDOW)

@@ -290,6 +290,12 @@ class SpeculativeEngine:
                         shadow_draft = echo.ngram_draft(depth)
                         shadow.start(shadow_draft)
                         controller.observe_shadow_fill(len(shadow_draft), depth)  # type: ignore[union-attr]
+                elif echo is not None and shadow is not None and not shadow.pending:
+                    # in a batch, a shadow past the block: what the positions beyond it would do
+                    depth = controller.shadow_depth_beyond(len(proposal.tokens))  # type: ignore[union-attr]
+                    shadow_draft = echo.ngram_draft(depth) if depth else []
+                    if len(shadow_draft) > len(proposal.tokens):
+                        shadow.start(shadow_draft, covered=len(proposal.tokens))
                 outcome = pending.result()
                 verify_s = time.perf_counter() - t
                 _pass_features(target, draft, step)

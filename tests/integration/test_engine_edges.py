@@ -175,7 +175,7 @@ class _HeldOffListening(DepthController):
 
     def __init__(self) -> None:
         super().__init__(8, mode="auto")
-        self.shadows: list[tuple[int, int]] = []
+        self.shadows: list[tuple[int, int, int]] = []
         self.started: list[tuple[int, int]] = []
 
     def observe_shadow_fill(self, drafted: int, depth: int) -> None:
@@ -223,16 +223,16 @@ def test_k_0_steps_judge_the_n_gram_shadow_drafts_as_the_target_would_have(tiny)
             if not draft:
                 continue
         if out[t] != draft[matched]:
-            expected.append((len(draft), matched))
+            expected.append((len(draft), matched, 0))
             draft = []
             continue
         matched += 1
         if matched == len(draft):
-            expected.append((len(draft), matched))
+            expected.append((len(draft), matched, 0))
             draft = []
     assert controller.shadows == expected
     assert controller.started == started
-    assert any(accepted > 0 for _, accepted in expected), expected  # the output copies: hits were judged
+    assert any(accepted > 0 for _, accepted, _ in expected), expected  # the output copies: hits were judged
 
 
 class _DraftsOnceListening(_HeldOffListening):
@@ -242,7 +242,7 @@ class _DraftsOnceListening(_HeldOffListening):
     def __init__(self, draft_at: int) -> None:
         super().__init__()
         self.draft_at = draft_at
-        self.steps: list[tuple[int, int, tuple[int, int] | None]] = []
+        self.steps: list[tuple[int, int, tuple[int, int, int] | None]] = []
 
     def choose(self, load=None, remaining=None) -> int:
         k = 1 if len(self.history) == self.draft_at else 0
@@ -279,17 +279,77 @@ def test_a_shadow_started_at_k_0_is_judged_to_its_end_while_the_session_drafts(t
         verdict = None
         for token in tokens if draft else []:
             if token != draft[matched]:
-                verdict = (len(draft), matched)
+                verdict = (len(draft), matched, 0)
                 break
             matched += 1
             if matched == len(draft):
-                verdict = (len(draft), matched)
+                verdict = (len(draft), matched, 0)
                 break
         if verdict is not None:
             draft = []
         expected.append(verdict)
     assert controller.steps[t][0] == 1  # it drafted at step t + 1
     assert [shadow for _, _, shadow in controller.steps] == expected
+
+
+class _DraftsOneAsInABatch(_HeldOffListening):
+    """Drafts one token at every step and shadows past its block as a session in a batch does
+    (`shadow_depth_beyond`, here at every step: the engine alone has no batch); records (k,
+    accepted, shadow verdict) of every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[int, int, tuple[int, int, int] | None]] = []
+
+    def choose(self, load=None, remaining=None) -> int:
+        self.history.append(1)
+        return 1
+
+    def shadow_depth_beyond(self, drafted: int) -> int:
+        return self.k_max if drafted > 0 else 0
+
+    def observe(self, k, num_accepted, *args, shadow=None, **kwargs) -> None:
+        self.steps.append((k, num_accepted, shadow))
+        super().observe(k, num_accepted, *args, shadow=shadow, **kwargs)
+
+
+def test_in_a_batch_a_drafting_step_shadows_the_positions_past_its_block(tiny):
+    """A session drafting one token a step, as in a batch, also shadows the n-gram proposer's
+    deeper block: started at a drafting step with none pending, on the context before it, and
+    judged on the tokens that follow, with the block's own positions marked as covered (its
+    step judges those). Replayed step by step; steps whose lookup found nothing shadow as at
+    k = 0 (`shadow_depth`, nothing covered)."""
+    prompt = [3, 9, 4, 3, 9, 4, 3, 9]
+    out = reference(tiny, prompt, 40)
+    controller = _DraftsOneAsInABatch()
+    engine = SpeculativeEngine(TargetModel(tiny), make_proposer("ngram"), depth=_OneController(controller),
+                               eos_token_ids=frozenset())
+    assert engine.generate(prompt, SamplingParams(max_tokens=40)).run().token_ids == out
+    expected, draft, matched, covered, produced = [], [], 0, 0, 1  # out[0] came from the prefill
+    for k, accepted, _ in controller.steps:
+        context = prompt + out[:produced]
+        if not draft:
+            deeper = find_ngram_continuation(context, controller.k_max)
+            if k == 0:  # the proposer found no match: a k = 0 step's shadow
+                draft, matched, covered = deeper, 0, 0
+            elif len(deeper) > k:
+                draft, matched, covered = deeper, 0, k
+        tokens = out[produced:produced + accepted + 1]
+        produced += len(tokens)
+        verdict = None
+        for token in tokens if draft else []:
+            if token != draft[matched]:
+                verdict = (len(draft), matched, covered)
+                break
+            matched += 1
+            if matched == len(draft):
+                verdict = (len(draft), matched, covered)
+                break
+        if verdict is not None:
+            draft = []
+        expected.append(verdict)
+    assert [shadow for _, _, shadow in controller.steps] == expected
+    assert any(v is not None and v[2] == 1 and v[1] > 1 for v in expected), expected  # judged past the block
 
 
 def test_a_fixed_k_teaches_its_replicas_cost_model_what_its_passes_cost(tiny):

@@ -933,11 +933,11 @@ def test_a_shadow_draft_is_judged_as_the_target_would_have_judged_it() -> None:
     shadow = ShadowDraft()
     shadow.start([5, 6, 7, 8])
     assert shadow.feed([5]) is None and shadow.feed([6]) is None and shadow.pending
-    assert shadow.feed([9]) == (4, 2) and not shadow.pending
+    assert shadow.feed([9]) == (4, 2, 0) and not shadow.pending
     shadow.start([5, 6])
-    assert shadow.feed([5, 6, 1]) == (2, 2)  # decided at its last position: the rest is not its
+    assert shadow.feed([5, 6, 1]) == (2, 2, 0)  # decided at its last position: the rest is not its
     shadow.start([5, 6])
-    assert shadow.feed([4]) == (2, 0)
+    assert shadow.feed([4]) == (2, 0, 0)
     shadow.start([5, 6])
     shadow.drop()
     assert shadow.feed([5]) is None and not shadow.pending
@@ -1416,6 +1416,59 @@ def test_a_shadow_judged_at_a_drafted_step_counts_as_well_as_the_block() -> None
     trials = c.estimator.trials
     assert len(trials) == 7 and trials[0] == pytest.approx(2.0, rel=0.05) and trials[2] == pytest.approx(1.0)
     assert c.estimator.successes[5] == pytest.approx(1.0) and c.estimator.successes[6] == 0.0
+
+
+def test_a_shadow_past_a_block_counts_only_the_positions_past_it() -> None:
+    """A shadow of 6 that ran beside a drafted block of 2 (`covered`) and matched 4: the block
+    tried positions 0-1, the shadow adds positions 2-4 (2-3 accepted, 4 not) without aging the
+    evidence a second time; one that failed within the block adds nothing (the block judged it)."""
+    c = DepthController(K_MAX)
+    c.observe(2, 2, 1.0, 50.0, 16, shadow=(6, 4, 2))
+    assert c.estimator.trials == pytest.approx([1.0, 1.0, 1.0, 1.0, 1.0])
+    assert c.estimator.successes == pytest.approx([1.0, 1.0, 1.0, 1.0, 0.0])
+    assert c.estimator.steps == 1
+    failed = DepthController(K_MAX)
+    failed.observe(2, 1, 1.0, 50.0, 16, shadow=(6, 1, 2))
+    assert failed.estimator.trials == pytest.approx([1.0, 1.0])
+
+
+def test_a_session_shadows_past_its_block_in_a_batch_only() -> None:
+    """Past a block the shadow is as deep as the session could draft next (`shadow_depth`), and
+    there is none when that is no deeper than the block, or when the session is alone."""
+    shared = SharedAcceptance()
+    for _ in range(64):
+        shared.update(2, 1)  # the method's recent sessions drafted blocks of 2: reach 4
+    session = DepthController(K_MAX, packed_cost_model(), shared=shared, peers=PassPeers())
+    session.observe(1, 1, 1.0, 130.0, 16, pass_positions=32, packed=True)
+    assert session.shadow_depth_beyond(1) == 4 and session.shadow_depth_beyond(4) == 0
+    assert session.shadow_depth_beyond(0) == 0
+    session.observe(1, 1, 1.0, 60.0, 1, pass_positions=2, packed=True)
+    assert session.shadow_depth_beyond(1) == 0
+
+
+def test_in_a_batch_shadows_past_a_shallow_block_let_a_session_go_deeper() -> None:
+    """A code edit whose answer opened with prose: its shadows at k = 0 failed at position 1, so
+    it drafts shallow blocks. Once its output copies, only the shadows past its block can say
+    so: with them it goes deep, with the same blocks and no shadows it stays where it was."""
+    cm = packed_cost_model()
+    load = LoadSignal(0, 16)
+
+    def session_after(past_block: bool) -> DepthController:
+        peers = PassPeers()
+        sessions = [make_controller("auto", K_MAX, cm, shared_after_sessions([0.9] * 32), peers) for _ in range(16)]
+        for s in sessions[1:]:
+            s.observe(2, 2, 0.0, 140.0, 16, pass_positions=48, packed=True)
+        session = sessions[0]
+        for _ in range(10):
+            session.observe(0, 0, 0.0, 130.0, 16, pass_positions=48, packed=True, shadow=(K_MAX, 1))
+        assert session.target(load) <= 2
+        for _ in range(6):
+            session.observe(1, 1, 0.0, 130.0, 16, pass_positions=48, packed=True,
+                            shadow=(K_MAX, K_MAX, 1) if past_block else None)
+        return session
+
+    assert session_after(past_block=False).target(load) <= 2
+    assert session_after(past_block=True).target(load) == K_MAX
 
 
 def test_in_a_batch_shadow_drafts_that_copy_turn_speculation_on_deep() -> None:
