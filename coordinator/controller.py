@@ -354,21 +354,24 @@ class AcceptanceEstimator:
         # per position, the most an unseen position may be assumed to accept (None: no cap)
         self.ceilings = ceilings
 
-    def update(self, num_drafted: int, num_accepted: int, first: int = 0) -> None:
+    def update(self, num_drafted: int, num_accepted: int) -> None:
         """Record one verify step: num_drafted proposed, the first num_accepted of them accepted.
-
-        `first` > 0: only positions `first` and on are news (a shadow draft that ran past a
-        drafted step's block, coordinator/echo.py; the block's own update judged the rest and aged
-        the evidence for the step), so nothing decays and only those positions count."""
-        if num_drafted < 0 or not 0 <= num_accepted <= num_drafted or first < 0:
-            raise ValueError(f"bad step: {num_accepted} accepted of {num_drafted} drafted (from position {first})")
-        if first == 0:
-            self.steps += 1
-        if first == 0 and self._prior_n + sum(self.trials) > self.prior_weight:
+        The evidence so far ages by a step first."""
+        self._check(num_drafted, num_accepted, 0)
+        self.steps += 1
+        if self._prior_n + sum(self.trials) > self.prior_weight:
             self._prior_s *= self.decay
             self._prior_n *= self.decay
             self.successes = [s * self.decay for s in self.successes]
             self.trials = [n * self.decay for n in self.trials]
+        self.add(num_drafted, num_accepted)
+
+    def add(self, num_drafted: int, num_accepted: int, first: int = 0) -> None:
+        """Trials without a step: of a block of num_drafted with its first num_accepted accepted,
+        the positions from `first` on that were tried. What a shadow draft judged
+        (coordinator/echo.py's `ShadowDraft.feed`: its positions as their tokens come, past any
+        drafted block beside it) on top of the step's own `update`."""
+        self._check(num_drafted, num_accepted, first)
         tried = min(num_accepted + 1, num_drafted)  # positions 0..num_accepted, if drafted
         if len(self.trials) < tried:
             self.successes.extend([0.0] * (tried - len(self.trials)))
@@ -377,6 +380,11 @@ class AcceptanceEstimator:
             self.trials[i] += 1.0
             if i < num_accepted:
                 self.successes[i] += 1.0
+
+    @staticmethod
+    def _check(num_drafted: int, num_accepted: int, first: int) -> None:
+        if num_drafted < 0 or not 0 <= num_accepted <= num_drafted or first < 0:
+            raise ValueError(f"bad step: {num_accepted} accepted of {num_drafted} drafted (from position {first})")
 
     @property
     def alpha(self) -> float:
@@ -1658,14 +1666,14 @@ class DepthController:
         followed its context's last tokens earlier in the context (coordinator/echo.py); ECHO_STREAK
         of them in a row make the next k = 0 step a probe step (more after echo probes that failed).
 
-        `shadow`: a draft the proposer would have made at an earlier step, judged on the output
-        since (at this step, whether it drafted or not), as (drafted, accepted) or (drafted,
-        accepted, covered) (coordinator/echo.py's `ShadowDraft`). It is a trial like a drafted
-        step's that cost nothing, and counts as one: a session at k = 0 learns its acceptance from
-        its own output, so a copying one leaves k = 0 when its shadows say so, with no probe that
-        lengthens every row's pass, as deep as its copies have gone through (`shadow_depth`).
-        `covered` > 0: the shadow ran beside a drafted block of that many tokens
-        (`shadow_depth_beyond`), which judged those positions; only the ones past it count."""
+        `shadow`: what a draft the proposer would have made at this or an earlier step (never
+        sent) was judged at this step, as (drafted, accepted) or (drafted, accepted, first): the
+        positions from `first` on (coordinator/echo.py's `ShadowDraft.feed`). Trials like a
+        drafted step's that cost nothing, and they count as such (`AcceptanceEstimator.add`): a
+        session at k = 0 learns its acceptance from its own output, so a copying one leaves k = 0
+        when its shadows say so, with no probe that lengthens every row's pass, as deep as its
+        copies have gone through (`shadow_depth`); one drafting a shallow block in a batch
+        learns about the positions past it (`shadow_depth_beyond`)."""
         if num_accepted > 0:  # drafts go through: echoes are worth a probe again
             self._echo_needed = ECHO_STREAK
         elif self._echo_probe and k > 0:  # an echo probe that failed: the next one waits for more echoes
@@ -1676,14 +1684,10 @@ class DepthController:
             self._probed = False
             self._idle_steps = self._interval
         self._drafted = self._drafted or k > 0
-        if k > 0 or shadow is None:
-            self.estimator.update(k, num_accepted)
-        if shadow is not None:  # a shadow started at an earlier step, judged now
-            drafted, accepted, covered = (*shadow, 0)[:3]
-            if covered == 0:
-                self.estimator.update(drafted, accepted)
-            elif accepted >= covered:  # past the block it ran beside: its block judged the rest
-                self.estimator.update(drafted, accepted, first=covered)
+        self.estimator.update(k, num_accepted)  # at k = 0 the evidence ages by the step
+        if shadow is not None:  # what a shadow draft judged at this step
+            drafted, accepted, first = (*shadow, 0)[:3]
+            self.estimator.add(drafted, accepted, first)
         if requested:
             share = min(k / requested, 1.0)
             self.fill.add(share, FILL_WINDOW)

@@ -98,7 +98,7 @@ class ShadowDraft:
     def __init__(self) -> None:
         self._draft: list[int] = []
         self._matched = 0
-        self._covered = 0
+        self._reported = 0  # positions already told (or covered by the block beside it)
 
     @property
     def pending(self) -> bool:
@@ -106,28 +106,38 @@ class ShadowDraft:
 
     def start(self, draft: Sequence[int], covered: int = 0) -> None:
         """Shadow `draft` from the step about to run. `covered`: the positions that step's own
-        block drafts (0 at a k = 0 step), which the step itself judges; the verdict says so, and
-        only the positions past them are news (`DepthController.observe`)."""
-        self._draft, self._matched, self._covered = list(draft), 0, max(int(covered), 0)
+        block drafts (0 at a k = 0 step), which the step itself judges: they are never news."""
+        self._draft, self._matched, self._reported = list(draft), 0, max(int(covered), 0)
 
     def drop(self) -> None:
-        self._draft, self._matched, self._covered = [], 0, 0
+        self._draft, self._matched, self._reported = [], 0, 0
 
     def feed(self, produced: Sequence[int]) -> tuple[int, int, int] | None:
-        """Judge the draft's next positions against tokens the target produced, in order: once it
-        is decided (a disagreement, or every position agreed) (drafted, accepted, covered) and the
-        shadow is done; before that None."""
+        """Judge the draft's next positions against tokens the target produced, in order, and
+        return what is new as (drafted, accepted, first): positions `first` and on of a block of
+        `drafted` with its first `accepted` accepted, as `AcceptanceEstimator.add` takes it;
+        None when nothing new is known (no shadow, or only covered positions judged).
+
+        Each position is news as soon as its token comes: a matched one is an accepted trial
+        then (drafted = accepted = the positions matched so far), not when the shadow ends. A
+        copying session's shadow of 8 that kept matching used to say nothing for 8 steps, all at
+        k = 0, a quarter of a 32-token request. The shadow is done at its first disagreement or
+        when every position agreed."""
         if not self._draft:
             return None
+        decided = False
         for token in produced:
             if token != self._draft[self._matched]:
-                return self._judged()
+                decided = True
+                break
             self._matched += 1
             if self._matched == len(self._draft):
-                return self._judged()
-        return None
-
-    def _judged(self) -> tuple[int, int, int]:
-        result = (len(self._draft), self._matched, self._covered)
-        self.drop()
-        return result
+                decided = True
+                break
+        matched, first = self._matched, self._reported
+        drafted = len(self._draft) if decided else matched
+        judged = min(matched + 1, drafted)  # the matched positions, and the one that missed
+        self._reported = max(first, judged)
+        if decided:
+            self.drop()
+        return (drafted, matched, first) if judged > first else None

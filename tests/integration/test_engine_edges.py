@@ -11,6 +11,7 @@ import torch
 
 from coordinator.controller import DepthController
 from coordinator.depth import EMBEDDED, DepthPolicy
+from coordinator.echo import ShadowDraft
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import Proposal, make_proposer
 from draft_service.proposers.ngram import find_ngram_continuation
@@ -205,31 +206,26 @@ class _OneController:
 
 def test_k_0_steps_judge_the_n_gram_shadow_drafts_as_the_target_would_have(tiny):
     """At k = 0 the engine judges the block the n-gram proposer would have drafted against the
-    output that follows: replayed over the output, every shadow it reports is the proposer's
-    draft at that step, accepted up to its first disagreement with the target's tokens; and every
-    k = 0 step without a pending shadow tells the controller how much of its depth the lookup
-    drafted (none where the context has no match), which is what its fill learns from."""
+    output that follows: replayed over the output, every shadow it judges is the proposer's draft
+    at the step it started, fed each token as it comes (the news `ShadowDraft.feed` gives, judged
+    as the target would have: accepted up to its first disagreement); and every k = 0 step
+    without a pending shadow tells the controller how much of its depth the lookup drafted (none
+    where the context has no match), which is what its fill learns from."""
     controller = _HeldOffListening()
     engine = SpeculativeEngine(TargetModel(tiny), make_proposer("ngram"), depth=_OneController(controller),
                                eos_token_ids=frozenset())
     prompt = [3, 9, 4, 3, 9, 4, 3, 9]
     out = engine.generate(prompt, SamplingParams(max_tokens=40)).run().token_ids
     assert out == reference(tiny, prompt, 40)
-    expected, started, draft, matched = [], [], [], 0
+    expected, started, shadow = [], [], ShadowDraft()
     for t in range(1, len(out)):  # step t produces out[t] from the context before it
-        if not draft:
-            draft, matched = find_ngram_continuation(prompt + out[:t], controller.k_max), 0
+        if not shadow.pending:
+            draft = find_ngram_continuation(prompt + out[:t], controller.k_max)
             started.append((len(draft), controller.k_max))
-            if not draft:
-                continue
-        if out[t] != draft[matched]:
-            expected.append((len(draft), matched, 0))
-            draft = []
-            continue
-        matched += 1
-        if matched == len(draft):
-            expected.append((len(draft), matched, 0))
-            draft = []
+            shadow.start(draft)
+        news = shadow.feed([out[t]])
+        if news is not None:
+            expected.append(news)
     assert controller.shadows == expected
     assert controller.started == started
     assert any(accepted > 0 for _, accepted, _ in expected), expected  # the output copies: hits were judged
@@ -256,7 +252,7 @@ class _DraftsOnceListening(_HeldOffListening):
 
 def test_a_shadow_started_at_k_0_is_judged_to_its_end_while_the_session_drafts(tiny):
     """A shadow pending when the session drafts for real (an echo probe) is still judged on the
-    output that follows, and its verdict reaches the controller at the step that decides it: its
+    output that follows, and what each step judges reaches the controller at that step: its
     deeper positions are what a shallow real block cannot try. Replayed step by step: shadows
     start at k = 0 steps with none pending, on the context before the step, and every step's
     tokens feed the pending one, drafted or not."""
@@ -270,24 +266,13 @@ def test_a_shadow_started_at_k_0_is_judged_to_its_end_while_the_session_drafts(t
     engine = SpeculativeEngine(TargetModel(tiny), make_proposer("ngram"), depth=_OneController(controller),
                                eos_token_ids=frozenset())
     assert engine.generate(prompt, SamplingParams(max_tokens=40)).run().token_ids == out
-    expected, draft, matched, produced = [], [], 0, 1  # out[0] came from the prefill
+    expected, shadow, produced = [], ShadowDraft(), 1  # out[0] came from the prefill
     for k, accepted, _ in controller.steps:
-        if k == 0 and not draft:
-            draft, matched = find_ngram_continuation(prompt + out[:produced], controller.k_max), 0
+        if k == 0 and not shadow.pending:
+            shadow.start(find_ngram_continuation(prompt + out[:produced], controller.k_max))
         tokens = out[produced:produced + accepted + 1]
         produced += len(tokens)
-        verdict = None
-        for token in tokens if draft else []:
-            if token != draft[matched]:
-                verdict = (len(draft), matched, 0)
-                break
-            matched += 1
-            if matched == len(draft):
-                verdict = (len(draft), matched, 0)
-                break
-        if verdict is not None:
-            draft = []
-        expected.append(verdict)
+        expected.append(shadow.feed(tokens))
     assert controller.steps[t][0] == 1  # it drafted at step t + 1
     assert [shadow for _, _, shadow in controller.steps] == expected
 
@@ -325,31 +310,22 @@ def test_in_a_batch_a_drafting_step_shadows_the_positions_past_its_block(tiny):
     engine = SpeculativeEngine(TargetModel(tiny), make_proposer("ngram"), depth=_OneController(controller),
                                eos_token_ids=frozenset())
     assert engine.generate(prompt, SamplingParams(max_tokens=40)).run().token_ids == out
-    expected, draft, matched, covered, produced = [], [], 0, 0, 1  # out[0] came from the prefill
+    expected, shadow, produced, past_block = [], ShadowDraft(), 1, []  # out[0] came from the prefill
     for k, accepted, _ in controller.steps:
-        context = prompt + out[:produced]
-        if not draft:
-            deeper = find_ngram_continuation(context, controller.k_max)
+        if not shadow.pending:
+            deeper = find_ngram_continuation(prompt + out[:produced], controller.k_max)
+            beside = k > 0 and len(deeper) > k  # kept while this shadow is pending
             if k == 0:  # the proposer found no match: a k = 0 step's shadow
-                draft, matched, covered = deeper, 0, 0
-            elif len(deeper) > k:
-                draft, matched, covered = deeper, 0, k
+                shadow.start(deeper)
+            elif beside:
+                shadow.start(deeper, covered=k)
         tokens = out[produced:produced + accepted + 1]
         produced += len(tokens)
-        verdict = None
-        for token in tokens if draft else []:
-            if token != draft[matched]:
-                verdict = (len(draft), matched, covered)
-                break
-            matched += 1
-            if matched == len(draft):
-                verdict = (len(draft), matched, covered)
-                break
-        if verdict is not None:
-            draft = []
-        expected.append(verdict)
+        expected.append(shadow.feed(tokens))
+        if beside and expected[-1] is not None:
+            past_block.append(expected[-1])
     assert [shadow for _, _, shadow in controller.steps] == expected
-    assert any(v is not None and v[2] == 1 and v[1] > 1 for v in expected), expected  # judged past the block
+    assert any(accepted > first for _, accepted, first in past_block), past_block  # accepted past the block
 
 
 def test_a_fixed_k_teaches_its_replicas_cost_model_what_its_passes_cost(tiny):

@@ -929,18 +929,45 @@ def test_an_echo_lookups_n_gram_draft_is_the_n_gram_proposers() -> None:
 
 def test_a_shadow_draft_is_judged_as_the_target_would_have_judged_it() -> None:
     """Accepted up to the first token that disagrees, one produced token at a time; all agreeing
-    is a whole block accepted; until it is decided it says nothing."""
+    is a whole block accepted. Each position is news as soon as its token comes, as (drafted,
+    accepted, first): a matched one an accepted trial at once, the miss when it comes; positions
+    a drafted block beside it covers are never news."""
     shadow = ShadowDraft()
     shadow.start([5, 6, 7, 8])
-    assert shadow.feed([5]) is None and shadow.feed([6]) is None and shadow.pending
-    assert shadow.feed([9]) == (4, 2, 0) and not shadow.pending
+    assert shadow.feed([5]) == (1, 1, 0) and shadow.pending
+    assert shadow.feed([]) is None
+    assert shadow.feed([6]) == (2, 2, 1) and shadow.pending
+    assert shadow.feed([9]) == (4, 2, 2) and not shadow.pending  # position 2 missed: done
     shadow.start([5, 6])
     assert shadow.feed([5, 6, 1]) == (2, 2, 0)  # decided at its last position: the rest is not its
     shadow.start([5, 6])
     assert shadow.feed([4]) == (2, 0, 0)
+    shadow.start([5, 6, 7], covered=2)
+    assert shadow.feed([5, 6, 7]) == (3, 3, 2) and not shadow.pending  # past the block: position 2 only
+    shadow.start([5, 6, 7, 8], covered=2)
+    assert shadow.feed([5, 9]) is None and not shadow.pending  # missed within the block: the block's news
     shadow.start([5, 6])
     shadow.drop()
     assert shadow.feed([5]) is None and not shadow.pending
+
+
+def test_shadow_news_adds_up_to_the_verdict_of_the_whole_shadow() -> None:
+    """Told position by position, a shadow's trials are the ones its whole verdict gives (aging
+    left out: a window of 10^9 steps), and a step counts once, not once per piece of news."""
+    step_by_step, at_once = AcceptanceEstimator(window=1e9), AcceptanceEstimator(window=1e9)
+    shadow = ShadowDraft()
+    shadow.start([1, 2, 3, 4, 5, 6])
+    for token in [1, 2, 3, 9]:
+        step_by_step.update(0, 0)
+        news = shadow.feed([token])
+        assert news is not None
+        step_by_step.add(*news)
+    for _ in range(3):
+        at_once.update(0, 0)
+    at_once.update(6, 3)
+    assert step_by_step.trials == pytest.approx(at_once.trials)
+    assert step_by_step.successes == pytest.approx(at_once.successes)
+    assert step_by_step.steps == at_once.steps == 4
 
 
 def test_a_gated_session_probes_as_soon_as_its_output_echoes_its_context() -> None:
@@ -1419,9 +1446,9 @@ def test_a_shadow_judged_at_a_drafted_step_counts_as_well_as_the_block() -> None
 
 
 def test_a_shadow_past_a_block_counts_only_the_positions_past_it() -> None:
-    """A shadow of 6 that ran beside a drafted block of 2 (`covered`) and matched 4: the block
-    tried positions 0-1, the shadow adds positions 2-4 (2-3 accepted, 4 not) without aging the
-    evidence a second time; one that failed within the block adds nothing (the block judged it)."""
+    """A shadow of 6 that ran beside a drafted block of 2 and matched 4, told from position 2:
+    the block tried positions 0-1, the shadow adds positions 2-4 (2-3 accepted, 4 not) without
+    aging the evidence a second time; one that failed within the block adds nothing."""
     c = DepthController(K_MAX)
     c.observe(2, 2, 1.0, 50.0, 16, shadow=(6, 4, 2))
     assert c.estimator.trials == pytest.approx([1.0, 1.0, 1.0, 1.0, 1.0])
