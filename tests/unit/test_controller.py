@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from coordinator import controller as controller_module
 from coordinator.controller import (
     CHEAP_PROBE,
     ECHO_STREAK,
@@ -28,6 +29,7 @@ from coordinator.controller import (
     expected_tokens,
     load_penalty,
     make_controller,
+    mixture_tokens,
     pass_alphas,
     packed_rates,
     pass_rates,
@@ -1325,6 +1327,60 @@ def packed_cost_model_at_16() -> CostModel:
         for extra in (0, 8, 16, 32):
             cm.observe_verify(16, 2, 200.0 + 5.0 * extra, positions=16 + extra, packed=True)
     return cm
+
+
+def test_mixture_tokens_weigh_the_recent_prompts_by_the_sessions_own_evidence() -> None:
+    """With no evidence of its own a step's tokens are the mean over the recent prompts' (and the
+    grid's) acceptances; a block accepted whole moves them toward the prompts that accept, a miss
+    at the first position toward the ones that do not; the fill scales the gain; and a session
+    unlike every recent prompt (a new kind) escapes them through the grid."""
+    assert mixture_tokens([0.5, 0.9], 0, 0, 1.0, 2, diffuse=0.0, grid=()) == pytest.approx(
+        [1.0, 1.0 + (0.5 + 0.9) / 2, 1.0 + (0.5 + 0.25 + 0.9 + 0.81) / 2])
+    recent = [0.86, 0.92, 0.3]
+    prior = mixture_tokens(recent, 0, 0, 1.0, 8)
+    assert mixture_tokens(recent, 4, 4, 1.0, 8)[4] > prior[4] > mixture_tokens(recent, 0, 1, 1.0, 8)[4]
+    assert mixture_tokens(recent, 0, 0, 0.5, 8)[4] - 1.0 == pytest.approx((prior[4] - 1.0) / 2)
+    assert mixture_tokens([0.05] * 32, 16, 16, 1.0, 4)[4] > 4.0
+    assert mixture_tokens([0.05] * 32, 16, 16, 1.0, 4, diffuse=0.0, grid=())[4] < 1.1
+    with pytest.raises(ValueError):
+        mixture_tokens([], 0, 0, 1.0, 4)
+
+
+def packed_cost_model_here() -> CostModel:
+    """Packed passes at 16 rows as on the AMD EPYC machine of 2026-12-02: 195 ms plain, 3 ms a
+    draft position, no jump."""
+    cm = CostModel()
+    for _ in range(16):
+        for extra in (0, 16, 32, 64):
+            cm.observe_verify(16, 1 + -(-extra // 16), 195.0 + 3.0 * extra, positions=16 + extra, packed=True)
+    return cm
+
+
+def test_in_a_batch_a_new_session_drafts_from_its_first_step_when_its_methods_prompts_pay(monkeypatch) -> None:
+    """Code edits after fixed k = 4: two prompts that accepted 0.86 and 0.92, one 0.3. A new
+    session priced at their mean with two trials' weight, a standard error low (the path before
+    `mixture_tokens`, here by setting MIXTURE_TRIALS to 0), starts at k = 0; priced on the
+    prompts it may be, it drafts from its first step, deeper once a block goes through whole,
+    and stops at a miss at its first position."""
+    cm = packed_cost_model_here()
+    load = LoadSignal(0, 16)
+
+    def session(steps: list[tuple[int, int]]) -> DepthController:
+        peers = PassPeers()
+        shared = shared_after_sessions([0.86, 0.92, 0.3] * 11)
+        sessions = [make_controller("auto", K_MAX, cm, shared, peers) for _ in range(16)]
+        for s in sessions:
+            s.observe(0, 0, 0.0, 195.0, 16, pass_positions=16, packed=True)
+        for drafted, accepted in steps:
+            sessions[0].observe(drafted, accepted, 0.0, 195.0, 16, pass_positions=16 + drafted, packed=True)
+        return sessions[0]
+
+    first = session([]).target(load)
+    assert first >= 2
+    assert session([(4, 4)]).target(load) > first
+    assert session([(4, 0)]).target(load) == 0
+    monkeypatch.setattr(controller_module, "MIXTURE_TRIALS", 0.0)
+    assert session([]).target(load) == 0
 
 
 def test_in_a_batch_a_high_estimate_from_a_few_trials_does_not_turn_speculation_on() -> None:
