@@ -109,26 +109,29 @@ def mixture_tokens(recent: Sequence[float], successes: float, trials: float, fil
     being held to them."""
     if not recent:
         raise ValueError("mixture_tokens needs at least one recent session")
+    # Equal acceptances (to 0.01) are one component: a method's recent sessions are often a few
+    # prompts over again, and this runs at every step of a new session in a batch.
+    weights: dict[float, float] = {}
     share = 1.0 - diffuse if grid else 1.0
-    components = [(a, share / len(recent)) for a in recent]
-    components += [(a, diffuse / len(grid)) for a in grid] if grid else []
+    for a in recent:
+        key = round(min(max(float(a), 0.02), 0.98), 2)
+        weights[key] = weights.get(key, 0.0) + share / len(recent)
+    for a in grid or ():
+        key = round(min(max(float(a), 0.02), 0.98), 2)
+        weights[key] = weights.get(key, 0.0) + diffuse / len(grid)
     s, n = max(float(successes), 0.0), max(float(trials), 0.0)
     s = min(s, n)
-    logs = []
-    for a, weight in components:
-        a = min(max(float(a), 0.02), 0.98)
-        logs.append((a, math.log(weight) + s * math.log(a) + (n - s) * math.log(1.0 - a)))
-    top = max(log_p for _, log_p in logs)
-    posterior = [(a, math.exp(log_p - top)) for a, log_p in logs]
-    total = sum(p for _, p in posterior)
-    f = min(max(float(fill), 0.0), 1.0)
+    logs = {a: math.log(w) + s * math.log(a) + (n - s) * math.log(1.0 - a) for a, w in weights.items() if w > 0}
+    top = max(logs.values())
+    posterior = {a: math.exp(log_p - top) for a, log_p in logs.items()}
+    scale = min(max(float(fill), 0.0), 1.0) / sum(posterior.values())
     tokens = [1.0] * (k_max + 1)
-    for a, p in posterior:
+    for a, p in posterior.items():
         power, gain = 1.0, 0.0
         for k in range(1, k_max + 1):
             power *= a
             gain += power
-            tokens[k] += p / total * f * gain
+            tokens[k] += p * scale * gain
     return tokens
 
 
@@ -1397,8 +1400,9 @@ class DepthController:
         cm = self.cost_model
         recent = self.shared.recent_sessions() if self.shared is not None and optimistic is None else None
         if recent is not None and sum(self.estimator.trials) < MIXTURE_TRIALS:  # a new session: like which prompt?
-            expected = mixture_tokens([a for a, _ in recent], sum(self.estimator.successes),
-                                      sum(self.estimator.trials), fill, self.k_max)
+            evidence = (sum(self.estimator.successes), sum(self.estimator.trials))
+            expected = self._memoized(("mixture", self.shared.version, *evidence, fill),  # type: ignore[union-attr]
+                                      lambda: mixture_tokens([a for a, _ in recent], *evidence, fill, self.k_max))
             penalty = load_penalty(load)
             plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
             return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max, fill,
