@@ -91,9 +91,9 @@ class ShadowDraft:
 
     In a batch a drafting step starts one too when the session could draft deeper than it does
     (`DepthController.shadow_depth_beyond`): its block judges the positions it drafts, the shadow
-    the ones past them. Without that a session at k = 1 never learnt about position 1 again: code
-    edits whose answer opened with prose (shadows failing at position 1) stayed at k = 1 for the
-    rest of their code, 23 steps for 32 tokens, where fixed k = 4 took about 10."""
+    the ones past them. Without that a session at k = 1 never learnt about position 1 again: a
+    code edit whose answer opened with prose (its k = 0 shadows failing at position 1) drafted one
+    token a step for the rest of its answer, whatever the answer did after."""
 
     def __init__(self) -> None:
         self._draft: list[int] = []
