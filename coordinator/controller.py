@@ -111,14 +111,12 @@ def mixture_tokens(recent: Sequence[float], successes: float, trials: float, fil
         raise ValueError("mixture_tokens needs at least one recent session")
     # Equal acceptances (to 0.01) are one component: a method's recent sessions are often a few
     # prompts over again, and this runs at every step of a new session in a batch.
-    weights: dict[float, float] = {}
     share = 1.0 - diffuse if grid else 1.0
-    for a in recent:
+    priors = [(a, share / len(recent)) for a in recent] + [(a, diffuse / len(grid)) for a in grid or ()]
+    weights: dict[float, float] = {}
+    for a, weight in priors:
         key = round(min(max(float(a), 0.02), 0.98), 2)
-        weights[key] = weights.get(key, 0.0) + share / len(recent)
-    for a in grid or ():
-        key = round(min(max(float(a), 0.02), 0.98), 2)
-        weights[key] = weights.get(key, 0.0) + diffuse / len(grid)
+        weights[key] = weights.get(key, 0.0) + weight
     s, n = max(float(successes), 0.0), max(float(trials), 0.0)
     s = min(s, n)
     logs = {a: math.log(w) + s * math.log(a) + (n - s) * math.log(1.0 - a) for a, w in weights.items() if w > 0}
@@ -1398,17 +1396,11 @@ class DepthController:
         """`packed_rates` for this session at `fill`: its own per-position rates unless this is a
         what-if (`optimistic`)."""
         cm = self.cost_model
-        recent = self.shared.recent_sessions() if self.shared is not None and optimistic is None else None
-        if recent is not None and sum(self.estimator.trials) < MIXTURE_TRIALS:  # a new session: like which prompt?
-            evidence = (sum(self.estimator.successes), sum(self.estimator.trials))
-            expected = self._memoized(("mixture", self.shared.version, *evidence, fill),  # type: ignore[union-attr]
-                                      lambda: mixture_tokens([a for a, _ in recent], *evidence, fill, self.k_max))
-            penalty = load_penalty(load)
-            plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
-            return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max, fill,
-                                jump_ms=self._jump_share(b, plain, position, optimistic) * penalty,
-                                expected=expected)
-        profile = self.estimator.profile(self.k_max) if optimistic is None else None
+        profile = expected = None
+        if optimistic is None:
+            expected = self._mixture_tokens(fill)
+            if expected is None:
+                profile = self.estimator.profile(self.k_max)
         if profile is not None and self.batch_z > 0:  # its own estimate: priced at a lower bound
             evidence = self.estimator.profile_evidence(len(profile))
             profile = [acceptance_lower_bound(r, n, self.batch_z) for r, n in zip(profile, evidence)]
@@ -1416,7 +1408,21 @@ class DepthController:
         penalty = load_penalty(load)
         plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
         return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max, fill, profile,
-                            jump_ms=self._jump_share(b, plain, position, optimistic) * penalty)
+                            jump_ms=self._jump_share(b, plain, position, optimistic) * penalty, expected=expected)
+
+    def _mixture_tokens(self, fill: float) -> list[float] | None:
+        """`mixture_tokens` for a session with fewer than MIXTURE_TRIALS trials of its own, over
+        its method's recent sessions; None past that, or while the method has too few of them."""
+        trials = sum(self.estimator.trials)
+        if self.shared is None or trials >= MIXTURE_TRIALS:
+            return None
+        shared = self.shared
+        recent = shared.recent_sessions()
+        if recent is None:
+            return None
+        successes = sum(self.estimator.successes)
+        return self._memoized(("mixture", shared.version, successes, trials, fill),
+                              lambda: mixture_tokens([a for a, _ in recent], successes, trials, fill, self.k_max))
 
     def _jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None = None) -> float:
         """This session's share of `CostModel.packed_jump_ms`: none when a peer drafts (the pass
