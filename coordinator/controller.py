@@ -539,6 +539,8 @@ RECENT_PASSES = 256  # pass numbers a cost model remembers, to count each pass o
 # How far from the cells' mean block length the prior's `prior_points` samples count as lying (`_observed_line`)
 PRIOR_SPREAD = 0.25
 SETTLED = 3  # samples before a cell's mean is trusted beyond its own batch size
+# Cells closer than this in block length (positions a row) cannot tell a slope from noise (`_observed_line`)
+MIN_SPAN = 1.0
 # Draft cost cells follow fast: a draft call's wall time swings with what shares the cores (a
 # batched verify pass), and a session at k = 0 makes no draft calls, so samples are few and an
 # estimate inflated under load must not outlive the load.
@@ -550,6 +552,11 @@ def _clip(x: float, cell: _Mean) -> float:
     stalled by a neighbour process must not swing a shared cost model (every session's k) for a
     whole window. Real drift still gets through, at up to 3x per sample."""
     return min(x, OUTLIER_FACTOR * cell.mean) if cell.count >= SETTLED and cell.mean > 0 else x
+
+
+def _span(b: int, cells: Mapping[int, _Mean]) -> float:
+    """How far apart in block length (positions a row) the cells of batch size b lie."""
+    return (max(cells) - min(cells)) / b if cells else 0.0
 
 
 def _fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -750,30 +757,48 @@ class CostModel:
         pass takes the model's decode path, and on this project's CPU machines a block of 2 cost
         about 25 ms more than one of 1 at batch 1 while 9 cost little more than 2 (65, ~90, ~100
         ms), so a line through 1 and 3 predicted 9 at twice its cost. `verify_ms(1, b)` reads the
-        one-token cell itself. Where two or more cells are settled (`SETTLED` passes each), the
-        line goes through those alone: packed passes at 16 rows bring a new total of positions
-        almost every pass, and a cell of one slow pass at the edge of the range pulled the slope
-        to twice what the settled cells said."""
+        one-token cell itself. Where the settled cells (`SETTLED` passes each) span `MIN_SPAN`
+        positions a row or more, the line goes through those alone: packed passes at 16 rows
+        bring a new total of positions almost every pass, and a cell of one slow pass at the edge
+        of the range pulled the slope to twice what the settled cells said. Cells that span less
+        have no slope of their own: the prior's then (`_chord_slope` for a packed batch)."""
         cells = self._verify[b]
         if any(e > 0 for e in cells):
             cells = {e: c for e, c in cells.items() if e > 0}
         settled = {e: c for e, c in cells.items() if c.count >= SETTLED}
-        if len(settled) >= 2:  # a pass or two at a new block length must not tilt the line
+        if _span(b, settled) >= MIN_SPAN:  # a pass or two at a new block length must not tilt the line
             cells = settled
-        c0, m0 = self._prior_line(b)
         points = [(1.0 + e / b, c.mean, c.weight(self.window)) for e, c in cells.items()]
+        c0, m0 = self._prior_line(b)
         total = sum(w for _, _, w in points)
         scale = sum(w * y / (c0 + m0 * (n - 1)) for n, y, w in points) / total if c0 > 0 else 1.0
-        prior_slope = self._borrowed_slope(b)
-        if prior_slope is None:
-            prior_slope = m0 * scale
-        fit = _fit_line(points)
         mean_n = sum(n * w for n, _, w in points) / total
         mean_y = sum(y * w for _, y, w in points) / total
+        prior_slope = self._chord_slope(b, mean_n, mean_y)
+        if prior_slope is None:
+            prior_slope = self._borrowed_slope(b)
+        if prior_slope is None:
+            prior_slope = m0 * scale
+        fit = _fit_line(points) if _span(b, cells) >= MIN_SPAN else None
         spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
         prior = self.prior_points * PRIOR_SPREAD ** 2
         slope = prior_slope if fit is None else (spread * fit[1] + prior * prior_slope) / (spread + prior)
         return mean_y - slope * (mean_n - 1.0), slope
+
+    def _chord_slope(self, b: int, mean_n: float, mean_y: float) -> float | None:
+        """For a packed replica's batch of b > 1 rows: the slope from its settled plain pass to the
+        drafted passes' mean (a jump to the drafted path counted as slope: the cost a position
+        brings at most). The prior where the drafted passes span less than `MIN_SPAN` positions a
+        row, so that their own slope is noise: fixed k = 4 at 16 rows left its cells at 60-64
+        extra positions, the line through them priced a position at 0.06 ms, and auto sessions
+        after that cell drafted blocks of 16, in passes of 1.8x fixed k = 4's (docs/benchmarks.md,
+        "Code edits at 16 sessions: a slope the passes can tell"). None alone (at b = 1 the jump
+        to the drafted path is a third of a plain pass, and priced as slope it would overprice
+        every deep block), unpacked, or before a plain pass has settled."""
+        plain = self._verify[b].get(0)
+        if not self.packed or b <= 1 or plain is None or plain.count < SETTLED or mean_n <= 1.0:
+            return None
+        return max(mean_y - plain.mean, 0.0) / (mean_n - 1.0)
 
     def _borrowed_slope(self, b: int) -> float | None:
         """The cost per extra position at batch size b as another batch size measured it: the

@@ -275,6 +275,35 @@ def test_a_pass_counts_once_and_one_slow_pass_does_not_tilt_the_line() -> None:
         (16, 20), (48, 10), (64, 10), (72, 1)]
 
 
+def test_cells_within_a_position_a_row_price_a_position_by_the_chord_from_the_plain_pass() -> None:
+    """Fixed k = 4 at 16 rows settles cells at 56-64 extra positions, half a position a row apart
+    at most, with a few ms of noise on passes of 150. The line through them alone priced a position at
+    0.06 ms on the AMD EPYC machine (its slope is the noise), and auto sessions after that cell
+    drafted blocks of 16. Such cells tell no slope: a position is priced by the chord from the
+    plain pass, jump and all, until passes spread over block lengths (auto's own) tell the slope."""
+    cm = CostModel()
+    number = 0
+
+    def one_pass(extra: int, ms: float) -> None:
+        nonlocal number
+        number += 1
+        cm.observe_verify(16, 1 + -(-extra // 16), ms, positions=16 + extra, packed=True, pass_id=number)
+
+    for _ in range(3):
+        one_pass(0, 80.0)
+    for _ in range(8):
+        for extra in (56, 60, 62, 63, 64):
+            one_pass(extra, 80.0 + 1.1 * extra + 1.2 * (64 - extra))  # noise that tilts the cluster the other way
+    assert cm.position_ms(16) == pytest.approx(1.2, rel=0.1)
+    copiers = controllers_on_one_replica([0.9] * 16, cm)
+    for session in copiers:  # every peer drafts: the jump is paid anyway
+        session.peers.commit(session._peer, 4)
+    assert 2 <= copiers[0].target(LoadSignal(0, 16)) <= 6
+    for extra in range(20, 200, 9):  # auto's mixed blocks: 2 ms a position
+        one_pass(extra, 80.0 + 2.0 * extra)
+    assert 1.5 < cm.position_ms(16) < 3.0
+
+
 def test_cost_model_tracks_drift_and_ignores_garbage() -> None:
     cm = CostModel(window=16)
     for _ in range(100):
@@ -1292,7 +1321,7 @@ def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts()
     enough peers would gain to share the jump."""
     cm = CostModel()
     for _ in range(16):
-        for extra in (0, 2, 8, 16):
+        for extra in (0, 2, 8, 16, 24):  # a position a row and more apart: a slope the cells can tell
             cm.observe_verify(16, 2, 130.0 + (20.0 if extra else 0.0) + 5.0 * extra, positions=16 + extra, packed=True)
     assert cm.packed_jump_ms(16) == pytest.approx(20.0, rel=0.05)
     assert cm.position_ms(16) == pytest.approx(5.0, rel=0.05)
