@@ -1,0 +1,248 @@
+"""Acceptance: how often a session's draft tokens go through, per draft position, and the same
+across the sessions of one (replica, method), which a new session starts from."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable, Sequence
+
+from coordinator.running_mean import RunningMean
+
+# Decayed steps of a method that must have tried a draft position before its acceptance there caps
+# what a new session assumes for it (SharedAcceptance.position_caps).
+CAP_MIN_TRIALS = 8.0
+# Sessions of a method that must have ended before their acceptance says whether early probes pay.
+MIN_SESSIONS = 4
+
+
+class AcceptanceEstimator:
+    """Per-session acceptance: an exponentially weighted estimate per draft position.
+
+    Each drafted step is a run of Bernoulli trials: position i is tried only if positions < i
+    were accepted, and it succeeds or fails; positions after the first rejection are not tried.
+    Counting them as failures (accepted / drafted) would bias the rate low for deep k; the
+    conditional rates c_i = P(accept i | accepted < i) do not.
+
+    Evidence is kept as decayed counts (successes s_i, trials n_i) per position, plus a prior of
+    `prior_weight` trials at rate `alpha0` so a new session starts sensibly. All counts decay by
+    `1 - 1/window` per step, including k = 0 steps: that ages old evidence without changing the
+    estimate, so the first observations after a pause (a re-probe) carry weight. Decay stops once
+    the total weight is down to `prior_weight`, so one probe cannot swing the estimate to 0 or 1.
+
+    `alpha` is the pooled rate (prior + sum s_i) / (prior + sum n_i): the mean of the per-position
+    rates weighted by their evidence, and the maximum-likelihood per-token rate of the geometric
+    model that `expected_tokens` assumes. `position_rates` shrinks each position toward it.
+    """
+
+    def __init__(self, alpha0: float = 0.5, prior_weight: float = 4.0, window: float = 32.0,
+                 ceilings: Callable[[], Sequence[float | None]] | None = None):
+        if not 0.0 <= alpha0 <= 1.0:
+            raise ValueError(f"alpha0 must be in [0, 1], got {alpha0}")
+        if prior_weight <= 0 or window < 1:
+            raise ValueError("prior_weight must be > 0 and window >= 1")
+        self.alpha0 = alpha0
+        self.prior_weight = prior_weight
+        self.decay = 1.0 - 1.0 / window
+        self._prior_s = alpha0 * prior_weight
+        self._prior_n = prior_weight
+        self.successes: list[float] = []
+        self.trials: list[float] = []
+        self.steps = 0
+        # per position, the most an unseen position may be assumed to accept (None: no cap)
+        self.ceilings = ceilings
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Record one verify step: num_drafted proposed, the first num_accepted of them accepted.
+        The evidence so far ages by a step first."""
+        self._check(num_drafted, num_accepted, 0)
+        self.steps += 1
+        if self._prior_n + sum(self.trials) > self.prior_weight:
+            self._prior_s *= self.decay
+            self._prior_n *= self.decay
+            self.successes = [s * self.decay for s in self.successes]
+            self.trials = [n * self.decay for n in self.trials]
+        self.add(num_drafted, num_accepted)
+
+    def add(self, num_drafted: int, num_accepted: int, first: int = 0) -> None:
+        """Trials without a step: of a block of num_drafted with its first num_accepted accepted,
+        the positions from `first` on that were tried. What a shadow draft judged
+        (coordinator/echo.py's `ShadowDraft.feed`: its positions as their tokens come, past any
+        drafted block beside it) on top of the step's own `update`."""
+        self._check(num_drafted, num_accepted, first)
+        tried = min(num_accepted + 1, num_drafted)  # positions 0..num_accepted, if drafted
+        if len(self.trials) < tried:
+            self.successes.extend([0.0] * (tried - len(self.trials)))
+            self.trials.extend([0.0] * (tried - len(self.trials)))
+        for i in range(first, tried):
+            self.trials[i] += 1.0
+            if i < num_accepted:
+                self.successes[i] += 1.0
+
+    @staticmethod
+    def _check(num_drafted: int, num_accepted: int, first: int) -> None:
+        if num_drafted < 0 or not 0 <= num_accepted <= num_drafted or first < 0:
+            raise ValueError(f"bad step: {num_accepted} accepted of {num_drafted} drafted (from position {first})")
+
+    @property
+    def alpha(self) -> float:
+        """The per-token acceptance rate to use in `expected_tokens`."""
+        return (self._prior_s + sum(self.successes)) / (self._prior_n + sum(self.trials))
+
+    @property
+    def weight(self) -> float:
+        """Effective number of trials behind `alpha` (prior included)."""
+        return self._prior_n + sum(self.trials)
+
+    @property
+    def position_rates(self) -> list[float]:
+        """Conditional acceptance per position, each shrunk toward `alpha` by `prior_weight` trials."""
+        a, w = self.alpha, self.prior_weight
+        return [(s + w * a) / (n + w) for s, n in zip(self.successes, self.trials)]
+
+    @property
+    def continuation_rate(self) -> float:
+        """Conditional acceptance of a position after the first, pooled over positions 1 and on and
+        shrunk toward `alpha`: the rate to assume for positions deeper than any drafted yet. For a
+        geometric draft it is `alpha`; for a copying draft (all or nothing) it is near 1, and
+        `alpha` there (pulled down by position 0) would price every unseen position as a
+        first one, which held code edits at the depth they happened to start at."""
+        a, w = self.alpha, self.prior_weight
+        return (sum(self.successes[1:]) + w * a) / (sum(self.trials[1:]) + w)
+
+    def profile_evidence(self, depth: int) -> list[float]:
+        """The (decayed) trials behind each of `profile(depth)`'s rates, prior included: a
+        drafted position's own, an unseen one's the continuation's (positions 1 and on), or the
+        pooled weight before any step drafted."""
+        w = self.prior_weight
+        seen = [n + w for n in self.trials[:depth]]
+        unseen = sum(self.trials[1:]) + w if self.trials else self.weight
+        return seen + [unseen] * (depth - len(seen))
+
+    def profile(self, depth: int) -> list[float]:
+        """`position_rates` for positions 0..depth - 1, the unseen ones at `continuation_rate`
+        (`alpha` before any step drafted), each capped by `ceilings` where it gives one.
+
+        The cap is what the method's recent sessions accepted at that position (a
+        `SharedAcceptance`'s `position_caps`): a session extrapolates its own continuation to
+        positions it never drafted, and on extraction prompts, where copied spans are two or three
+        tokens, one accepted second position priced blocks of five at 0.8 a position; its sessions
+        at 16 ran at k = 2-5 and got no more tokens per step than fixed k = 2 (0.27-0.33 of the
+        drafted tokens accepted against 0.39).
+
+        Past the deepest position the recent sessions tried, the cap is the one at that deepest
+        position, as long as that is deeper than this session's own positions: nothing says
+        deeper positions accept better, and uncapped they were priced at the session's
+        continuation rate (0.9 and more). At 16 sessions extraction prompts whose recent
+        sessions had tried four positions (the fourth at 0.48) then drafted blocks of 7 to 12
+        tokens that kept two or three, in passes every row paid for, and ran at 0.91x speculation
+        off where fixed k = 2 ran at 0.98x. A session that has drafted deeper than the recent
+        sessions (a code edit after chat prompts) is not held to their shallow caps."""
+        rates = self.position_rates[:depth]
+        drafted = len(rates)  # positions this session has drafted itself
+        if drafted < depth:
+            caps = self.ceilings() if self.ceilings is not None else []
+            if rates or caps:
+                unseen = self.continuation_rate if rates else self.alpha
+                known = [j for j, cap in enumerate(caps) if cap is not None]
+                deepest = known[-1] if known and known[-1] >= drafted else depth
+                for j in range(drafted, depth):
+                    if j < len(caps) and caps[j] is not None:
+                        cap = caps[j]
+                    else:
+                        cap = caps[deepest] if j > deepest else 1.0
+                    rates.append(min(unseen, cap))
+        return rates
+
+
+class SharedAcceptance:
+    """Acceptance across the sessions of one (replica, method): a new session starts from it
+    instead of a fixed prior, so a short request does not spend its first steps finding out what
+    the last hundred requests already showed (a useless draft is off from the first step; a
+    good one starts deep). Thread-safe; sessions still adapt to their own prompt from there."""
+
+    def __init__(self, alpha0: float = 0.5, window: float = 256.0, lo: float = 0.02, hi: float = 0.98,
+                 sessions_kept: int = 32):
+        self._estimator = AcceptanceEstimator(alpha0=alpha0, window=window)
+        self._fill = RunningMean(1.0, 0.0)
+        self._window = window
+        self._sessions: deque[tuple[float, float]] = deque(maxlen=sessions_kept)  # (acceptance, fill)
+        self.version = 0  # counts reported sessions: what is derived from them may be cached on it
+        self._caps: tuple[tuple[int, float], list[float | None]] | None = None  # position_caps, by estimator step
+        self._lock = threading.Lock()
+        self.lo, self.hi = lo, hi
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        with self._lock:
+            self._estimator.update(num_drafted, num_accepted)
+
+    def update_fill(self, share: float) -> None:
+        """A step that asked for a draft got `share` of the asked tokens."""
+        with self._lock:
+            self._fill.add(min(max(float(share), 0.0), 1.0), self._window)
+
+    @property
+    def fill(self) -> float:
+        """The share of asked draft tokens this method drafted over its recent steps (1 before any).
+
+        A new session's fill starts here, not at 1: on prompts where an n-gram proposer finds a
+        match one step in three, a session that assumed full drafts turned k = 1 on for a few of
+        its first steps at batch 16, in passes every row paid for (completion at 16 sessions ran
+        at 0.91x speculation off)."""
+        with self._lock:
+            return self._fill.mean
+
+    def report_session(self, alpha: float, fill: float = 1.0) -> None:
+        """A session that drafted ended with acceptance `alpha`, its proposer having drafted
+        `fill` of the tokens it asked for."""
+        with self._lock:
+            self._sessions.append((float(alpha), min(max(float(fill), 0.0), 1.0)))
+            self.version += 1
+
+    def recent_sessions(self) -> list[tuple[float, float]] | None:
+        """(acceptance, fill) of the last `sessions_kept` sessions that drafted, oldest first;
+        None while fewer than MIN_SESSIONS have.
+
+        The pooled `alpha` is a mean over prompts, and acceptance belongs to the prompt: a mix
+        where one request in five is a code edit has a low mean and sessions that pay well. The
+        recent sessions, each with its own acceptance and fill, say what a new prompt of this
+        method is likely to be worth, which decides whether its early probes are worth their
+        cost (`DepthController._early_probes_pay`)."""
+        with self._lock:
+            return list(self._sessions) if len(self._sessions) >= MIN_SESSIONS else None
+
+    def position_caps(self, min_trials: float = CAP_MIN_TRIALS) -> list[float | None]:
+        """The method's conditional acceptance per draft position over its recent steps, None
+        where fewer than `min_trials` (decayed) steps tried the position: the ceiling a new
+        session's controller puts on positions it has not drafted itself."""
+        with self._lock:
+            est = self._estimator
+            key = (est.steps, min_trials)  # asked at every step of every session; changes with drafted steps only
+            if self._caps is None or self._caps[0] != key:
+                rates = est.position_rates
+                self._caps = (key, [r if n >= min_trials else None for r, n in zip(rates, est.trials)])
+            return list(self._caps[1])
+
+    def _clamp(self, alpha: float) -> float:
+        return min(max(alpha, self.lo), self.hi)
+
+    @property
+    def alpha(self) -> float:
+        """The method's acceptance per drafted token over its recent steps."""
+        with self._lock:
+            return self._clamp(self._estimator.alpha)
+
+    @property
+    def seed(self) -> float:
+        """Where a new session's acceptance starts: the mean over the recent sessions that drafted
+        (each session counts once), `alpha` until MIN_SESSIONS have.
+
+        The pooled `alpha` counts drafted tokens, and the controller drafts most where acceptance
+        is best, so it leans toward the best prompts: after summaries a chat prompt started at
+        k = 12-13 and paid for 13-token blocks that kept one or two tokens. What a new prompt
+        accepts is a draw from the prompts, not from the tokens."""
+        with self._lock:
+            sessions = [a for a, _ in self._sessions]
+        if len(sessions) < MIN_SESSIONS:
+            return self.alpha
+        return self._clamp(sum(sessions) / len(sessions))
