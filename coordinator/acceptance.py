@@ -7,6 +7,7 @@ import threading
 from collections import deque
 from typing import Callable, Sequence
 
+from coordinator.depth_math import MixturePrior
 from coordinator.running_mean import RunningMean
 
 # Decayed steps of a method that must have tried a draft position before its acceptance there caps
@@ -169,6 +170,7 @@ class SharedAcceptance:
         self._sessions: deque[tuple[float, float]] = deque(maxlen=sessions_kept)  # (acceptance, fill)
         self.version = 0  # counts reported sessions: what is derived from them may be cached on it
         self._caps: tuple[tuple[int, float], list[float | None]] | None = None  # position_caps, by estimator step
+        self._mixture: tuple[tuple[int, int], MixturePrior] | None = None  # mixture_prior, by (version, k_max)
         self._lock = threading.Lock()
         self.lo, self.hi = lo, hi
 
@@ -210,6 +212,18 @@ class SharedAcceptance:
         cost (`DepthController._early_probes_pay`)."""
         with self._lock:
             return list(self._sessions) if len(self._sessions) >= MIN_SESSIONS else None
+
+    def mixture_prior(self, k_max: int) -> MixturePrior | None:
+        """The `MixturePrior` over the recent sessions' acceptances (`recent_sessions`), one per
+        version and depth range, shared by every session that asks; None while too few sessions
+        have drafted."""
+        with self._lock:
+            if len(self._sessions) < MIN_SESSIONS:
+                return None
+            key = (self.version, k_max)
+            if self._mixture is None or self._mixture[0] != key:
+                self._mixture = (key, MixturePrior([a for a, _ in self._sessions], k_max))
+            return self._mixture[1]
 
     def position_caps(self, min_trials: float = CAP_MIN_TRIALS) -> list[float | None]:
         """The method's conditional acceptance per draft position over its recent steps, None

@@ -7,7 +7,8 @@ KV rollback).
 
 The pieces, each small and testable alone:
 
-- coordinator/depth_math.py, pure functions: `expected_tokens`, `mixture_tokens`, `depth_rates`,
+- coordinator/depth_math.py, pure functions: `expected_tokens`, `mixture_tokens` (its prior
+  computed once per set of recent sessions: `MixturePrior`), `depth_rates`,
   `pass_rates` (with each session's fill, the share of the asked tokens its proposer drafts),
   `packed_rates` (a session in a packed pass, where its block costs only its own positions),
   `pass_sessions`, `best_depth`, `load_penalty`;
@@ -355,13 +356,12 @@ class DepthController:
         trials = sum(self.estimator.trials)
         if self.shared is None or trials >= MIXTURE_TRIALS:
             return None
-        shared = self.shared
-        recent = shared.recent_sessions()
-        if recent is None:
+        prior = self.shared.mixture_prior(self.k_max)
+        if prior is None:
             return None
         successes = sum(self.estimator.successes)
-        return self._memoized(("mixture", shared.version, successes, trials, fill),
-                              lambda: mixture_tokens([a for a, _ in recent], successes, trials, fill, self.k_max))
+        return self._memoized(("mixture", id(prior), successes, trials, fill),
+                              lambda: prior.tokens(successes, trials, fill))
 
     def _jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None = None) -> float:
         """This session's share of `CostModel.packed_jump_ms`: none when a peer drafts (the pass

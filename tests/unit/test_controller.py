@@ -1375,6 +1375,18 @@ def test_mixture_tokens_weigh_the_recent_prompts_by_the_sessions_own_evidence() 
         mixture_tokens([], 0, 0, 1.0, 4)
 
 
+def test_a_methods_mixture_prior_is_built_once_per_set_of_recent_sessions() -> None:
+    """The prior's components change only when a session ends: every session of the method shares
+    one `MixturePrior` until then, and its posterior is `mixture_tokens`' to the last digit."""
+    shared = shared_after_sessions([0.86, 0.92, 0.3] * 3)
+    prior = shared.mixture_prior(8)
+    assert prior is not None and shared.mixture_prior(8) is prior
+    assert prior.tokens(3, 5, 0.8) == pytest.approx(mixture_tokens([0.86, 0.92, 0.3] * 3, 3, 5, 0.8, 8), rel=1e-12)
+    shared.report_session(0.5)
+    assert shared.mixture_prior(8) is not prior
+    assert shared_after_sessions([0.9] * 3).mixture_prior(8) is None  # too few sessions to say
+
+
 def packed_cost_model_here() -> CostModel:
     """Packed passes at 16 rows as on the AMD EPYC machine of 2026-12-02: 195 ms plain, 3 ms a
     draft position, no jump."""
