@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Callable
 
+
 class PassPeers:
     """The acceptance of every open session on one target replica, as their controllers last saw it.
 

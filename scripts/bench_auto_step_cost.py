@@ -1,13 +1,16 @@
 """The coordinator's own work per step for auto at k = 0 in a batch: controller, echo and shadow.
 
-    PYTHONPATH=. python scripts/bench_auto_step_cost.py [--sessions 16] [--steps 40] [--debug-log]
+    PYTHONPATH=. python scripts/bench_auto_step_cost.py [--sessions 16] [--steps 40] [--recent 32] [--debug-log]
 
 At 16 sessions the target starts a pass once every session is back, so what each session's
 thread does between one pass's end and its next verify is serialized by the coordinator's
 interpreter lock, sessions times over. This times that work with no model and no network:
 `--sessions` controllers sharing one replica's cost model and pass peers (the cost model seeded
 with packed cells at 1 and 16 rows), each step `choose`, the echo guess, a shadow draft when
-none is pending, `observe` of a plain pass, and the echo's extend. `--debug-log` turns the
+none is pending, `observe` of a plain pass, and the echo's extend. `--recent N`: the method's
+last N sessions drafted and accepted 0.1-0.4 (chat or code after code edits), so that a session
+with few trials of its own prices its steps on them (`mixture_tokens`), as after any traffic of
+the method; 0 (the default): a replica's first sessions. `--debug-log` turns the
 controller's debug lines on (formatted, written nowhere), as `SPECD_LOG_LEVEL=DEBUG` would.
 Compare a round's milliseconds with the pass time at that batch size (200-350 ms at 16 rows on
 the 2-core CI machines).
@@ -43,12 +46,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--recent", type=int, default=0)
     parser.add_argument("--debug-log", action="store_true")
     args = parser.parse_args()
     if args.debug_log:
         logging.basicConfig(level=logging.DEBUG, stream=open(os.devnull, "w"))
     rng = random.Random(0)
     costs, peers, shared = seeded_cost_model(), PassPeers(), SharedAcceptance()
+    for _ in range(args.recent):
+        shared.report_session(rng.uniform(0.1, 0.4), 0.5)
     controllers = [make_controller("auto", 8, costs, shared, peers) for _ in range(args.sessions)]
     for controller in controllers:
         controller.echoes = True
