@@ -181,7 +181,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
     (out / "bench-load.json").write_text(json.dumps(report, indent=1))
     md = render(report)
     (out / "bench-load.md").write_text(md)
-    _plots(report, out)
+    plots(report, out)
     print(md)
     return 0 if errors == 0 else 1
 
@@ -377,6 +377,40 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
     }
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several `bench-load` reports made apart (other invocations, other commits):
+    each cell the median over them, as `--runs N` takes it over its runs, the checks made on those
+    medians, the ramp the last report's. Raises ValueError unless they share their kinds,
+    concurrency levels and configurations."""
+    first = reports[0]
+    kinds = list(first["tokens_per_s"])
+    levels = [int(c) for c in first["settings"]["concurrency"]]
+    names = list(next(iter(first["tokens_per_s"][kinds[0]].values())))
+    tps: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    p50: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    mean_k: dict = defaultdict(lambda: defaultdict(list))
+    hf: dict = defaultdict(list)
+    useless: dict = defaultdict(list)
+    for report in reports:
+        shape = (list(report["tokens_per_s"]), [int(c) for c in report["settings"]["concurrency"]],
+                 list(next(iter(report["tokens_per_s"][kinds[0]].values()))))
+        if shape != (kinds, levels, names):
+            raise ValueError("the reports differ in their kinds, concurrency levels or configurations")
+        for kind in kinds:
+            for c in levels:
+                for name in names:
+                    tps[kind][c][name].append(report["tokens_per_s"][kind][str(c)][name])
+                    p50[kind][c][name].append(report["itl_ms_p50"][kind][str(c)][name])
+                mean_k[kind][c].append(report["auto_mean_k"][kind][str(c)])
+            hf[kind].append(report["transformers_target_only_tokens_per_s"][kind])
+        for name, value in report["useless_draft_c1_tokens_per_s"].items():
+            useless[name].append(value)
+    args = argparse.Namespace(**dict(first["settings"], runs=len(reports)))
+    fixed = [int(k) for k in first["settings"]["fixed_k"]]
+    return _report(kinds, levels, fixed, [(name, "") for name in names], tps, p50, mean_k, hf, useless,
+                   reports[-1]["ramp"], args, sum(r["errors"] for r in reports))
+
+
 def render(report: dict) -> str:
     s = report["settings"]
     if s.get("cell_requests"):
@@ -428,7 +462,7 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plots(report: dict, out: Path) -> None:
+def plots(report: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.bench_load import (best_fixed, cell_order, cell_requests, cell_window, interleaved, split_requests,
-                                   summarize_parts, useless_draft_cells)
+from coordinator.bench_load import (best_fixed, cell_order, cell_requests, cell_window, interleaved, merge_reports,
+                                   render, split_requests, summarize_parts, useless_draft_cells)
 from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
 
@@ -191,3 +191,30 @@ def test_useless_draft_cells_interleave_their_passes_and_add_them_up() -> None:
     assert sorted(depths) == sorted(["0", "4", "auto"] * 3) and all(n == 2 for _, n in gen.calls)
     assert all(a != b for a, b in zip(depths, depths[1:])), depths  # no configuration twice in a row
     assert {depths[0], depths[3], depths[6]} == {"0", "4", "auto"}  # each leads one round
+
+
+def _report_of(off: float, auto: float, useless_auto: float) -> dict:
+    """A bench-load report of one kind at concurrency 1 and 16, fixed k = 4 at 20 tok/s."""
+    cell = {"off": off, "k4": 20.0, "auto": auto}
+    return {"tokens_per_s": {"chat": {"1": dict(cell), "16": dict(cell)}},
+            "itl_ms_p50": {"chat": {"1": {n: 40.0 for n in cell}, "16": {n: 80.0 for n in cell}}},
+            "auto_mean_k": {"chat": {"1": 1.0, "16": 0.0}},
+            "transformers_target_only_tokens_per_s": {"chat": 10.0},
+            "useless_draft_c1_tokens_per_s": {"off": 10.0, "auto": useless_auto},
+            "ramp": {}, "errors": 0,
+            "settings": {"runs": 1, "max_tokens": 32, "method": "ngram", "concurrency": [1, 16], "fixed_k": [4],
+                         "pipeline": False, "window_seconds": 12.0, "stagger_seconds": 0.2, "cell_requests": 48,
+                         "cell_parts": 2, "c1_passes": 3}}
+
+
+def test_reports_made_apart_merge_to_their_medians_and_the_checks_are_made_on_those() -> None:
+    merged = merge_reports([_report_of(10.0, 18.0, 9.0), _report_of(30.0, 22.0, 11.0), _report_of(20.0, 30.0, 13.0)])
+    assert merged["tokens_per_s"]["chat"]["16"] == {"off": 20.0, "k4": 20.0, "auto": 22.0}
+    assert merged["checks"]["chat"]["high_auto_vs_off"] == 1.1  # the medians' ratio, not a median of ratios
+    assert merged["useless_draft_auto_vs_off"] == 1.1
+    assert merged["settings"]["runs"] == 3
+    assert "medians of 3 run(s)" in render(merged)
+    other = _report_of(10.0, 18.0, 9.0)
+    other["settings"]["concurrency"] = [1, 8]
+    with pytest.raises(ValueError, match="concurrency"):
+        merge_reports([_report_of(10.0, 18.0, 9.0), other])
