@@ -451,7 +451,7 @@ def render(report: dict) -> str:
                      f"{x(c['high_auto_vs_best_fixed'])} ({c['high_best_fixed']}) |")
     u = report["useless_draft_c1_tokens_per_s"]
     if u:
-        lines += ["", f"Useless draft (tiny random draft model, c1): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in u.items())
+        lines += ["", "Useless draft (tiny random draft model, c1): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in u.items())
                   + f"; auto vs off {report['useless_draft_auto_vs_off']}x"]
     if report["ramp"]:
         r = report["ramp"]["summary"]
