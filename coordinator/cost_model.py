@@ -264,11 +264,12 @@ class CostModel:
     def _chord_slope(self, b: int, mean_n: float, mean_y: float) -> float | None:
         """For a packed replica's batch of b > 1 rows: the slope from its settled plain pass to the
         drafted passes' mean (a jump to the drafted path counted as slope: the cost a position
-        brings at most). The prior where the drafted passes span less than `MIN_SPAN` positions a
-        row, so that their own slope is noise: fixed k = 4 at 16 rows left its cells at 60-64
-        extra positions, the line through them priced a position at 0.06 ms, and auto sessions
-        after that cell drafted blocks of 16, in passes of 1.8x fixed k = 4's (docs/benchmarks.md,
-        "Code edits at 16 sessions: a slope the passes can tell"). None alone (at b = 1 the jump
+        brings at most). The prior the line's slope is shrunk toward, and all of it where the
+        drafted passes span less than `MIN_SPAN` positions a row, so that their own slope is
+        noise: fixed k = 4 at 16 rows left its cells at 56-64 extra positions, the line through
+        them priced a position at 0.06 ms, and auto sessions after that cell drafted blocks of 16,
+        in passes of 1.8x fixed k = 4's (docs/benchmarks.md, "The sweep on the current code: a
+        slope the passes can tell"). None alone (at b = 1 the jump
         to the drafted path is a third of a plain pass, and priced as slope it would overprice
         every deep block), unpacked, or before a plain pass has settled."""
         plain = self._verify[b].get(0)
