@@ -211,14 +211,18 @@ class SharedAcceptance:
         method is likely to be worth, which decides whether its early probes are worth their
         cost (`DepthController._early_probes_pay`)."""
         with self._lock:
-            return list(self._sessions) if len(self._sessions) >= MIN_SESSIONS else None
+            return list(self._sessions) if self._enough_sessions() else None
+
+    def _enough_sessions(self) -> bool:
+        """Whether MIN_SESSIONS sessions have drafted (under `_lock`)."""
+        return len(self._sessions) >= MIN_SESSIONS
 
     def mixture_prior(self, k_max: int) -> MixturePrior | None:
         """The `MixturePrior` over the recent sessions' acceptances (`recent_sessions`), one per
         version and depth range, shared by every session that asks; None while too few sessions
         have drafted."""
         with self._lock:
-            if len(self._sessions) < MIN_SESSIONS:
+            if not self._enough_sessions():
                 return None
             key = (self.version, k_max)
             if self._mixture is None or self._mixture[0] != key:
