@@ -51,12 +51,15 @@ class StepTiming:
 
 
 class BatchStats:
-    """Batch sizes seen and verify latency by (batch size, block length, positions computed)."""
+    """Batch sizes seen, verify latency by (batch size, block length, positions computed), and
+    the prefills' count and time."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.batch_sizes: dict[int, int] = defaultdict(int)
         self.latency: dict[tuple[int, int, int], tuple[int, float]] = {}  # -> (count, total ms)
+        self.prefills = 0
+        self.prefill_ms = 0.0
 
     def record(self, batch_size: int, block_length: int, ms: float, positions: int) -> None:
         """positions: what the pass computed, all rows together."""
@@ -65,6 +68,11 @@ class BatchStats:
             self.batch_sizes[batch_size] += 1
             count, total = self.latency.get(key, (0, 0.0))
             self.latency[key] = (count + 1, total + ms)
+
+    def record_prefill(self, ms: float) -> None:
+        with self.lock:
+            self.prefills += 1
+            self.prefill_ms += ms
 
     def mean_batch_size(self) -> float:
         with self.lock:
@@ -281,8 +289,13 @@ class VerifyScheduler:
             block = max(len(w.proposal.tokens) for w in batch) + 1  # type: ignore[union-attr]
             positions = positions or len(batch) * block
             self.stats.record(len(batch), block, compute_ms, positions)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("verify pass %d: blocks %s, %d positions, %.1f ms", pass_id,
+                          sorted(len(w.proposal.tokens) + 1 for w in batch), positions, compute_ms)  # type: ignore[union-attr]
             seconds = end - start
             self._pass_s = seconds if self._pass_s is None else self._pass_s + PASS_EMA * (seconds - self._pass_s)
+        else:
+            self.stats.record_prefill(compute_ms)
         with self._cv:
             for w in batch:
                 self._delivered_at[w.session.session_id] = end

@@ -92,6 +92,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             serving=not self.draining,
         )
         with stats.lock:
+            msg.prefills, msg.prefill_ms = stats.prefills, stats.prefill_ms
             for size, count in sorted(stats.batch_sizes.items()):
                 msg.batch_sizes.add(batch_size=size, count=count)
             for (size, block, positions), (count, total) in sorted(stats.latency.items()):

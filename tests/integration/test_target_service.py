@@ -150,3 +150,25 @@ def test_load_monitor_reads_a_real_targets_stats_and_seeds_the_cost_model(tiny):
                 s.close()
     finally:
         handle.drain(0.5)
+
+
+def test_stats_count_the_prefills_and_their_time_apart_from_the_verify_passes(tiny):
+    """GetStats says how much of the model's time went to prefills (one per session opened) and
+    how much to verify passes (`verify_latency`): at 16 sessions on the bundled target most of it
+    can be prefills, where no depth choice helps."""
+    servicer, handle = serve(tiny)
+    try:
+        with make_channel(f"127.0.0.1:{handle.port}") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            assert stats(stub).prefills == 0 and stats(stub).prefill_ms == 0.0
+            sessions = [Session(stub) for _ in range(3)]
+            for s in sessions:
+                s.open()
+            s.send(verify=target_pb2.VerifyBlock(draft_token_ids=[4, 5]))
+            after = stats(stub)
+            assert after.prefills == 3 and after.prefill_ms > 0.0
+            assert sum(v.count for v in after.verify_latency) == 1  # the verify pass is not a prefill
+            for s in sessions:
+                s.close()
+    finally:
+        handle.drain(0.5)

@@ -152,6 +152,7 @@ def test_at_debug_level_every_prefill_and_verify_pass_is_logged(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records]
     assert sum(line.startswith("prefill of 3 tokens: ") for line in lines) == 2  # session 0's, then 2's
     assert any(line.startswith("verify pass of 1 rows, 3 open") for line in lines), lines
+    assert any(line.startswith("verify pass 1: blocks [") and line.endswith(" ms") for line in lines), lines
 
 
 def test_verifies_wait_for_no_more_than_a_batch_of_prefills_ahead_of_them() -> None:
