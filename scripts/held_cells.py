@@ -5,9 +5,10 @@
 CONFIGS is a comma list of depths ("0" is speculation off, "auto" the controller, a number a fixed
 k), e.g. `python scripts/held_cells.py extract 16 0,2,auto`. Per cell it prints tokens/s, the k
 chosen per step, drafted and accepted tokens, tokens per step, the p50 time to first token, the
-CPU use of each service and the target's verify passes (count, mean rows, mean time). `specd
-bench-load` runs every kind and level once per run; this repeats a few cells on one stack, where
-the swing between runs would hide a few percent.
+CPU use of each service (and the coordinator's per session step), the target's verify passes
+(count, mean rows, mean time) and its prefills (count, mean time), each with its share of the
+wall time. `specd bench-load` runs every kind and level once per run; this repeats a few cells
+on one stack, where the swing between runs would hide a few percent.
 
 With `--requests N` a cell is fixed work instead of a timed window: CONCURRENCY client threads
 send the kind's prompts in turn until N requests have ended (the load held to the end, no drain:
@@ -19,6 +20,7 @@ which phase of the sessions' prefill waves a window happens to catch no longer m
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -40,10 +42,12 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def verify_passes(stub: target_pb2_grpc.TargetServiceStub) -> dict[int, tuple[int, float]]:
-    """The target's verify passes so far by rows: rows -> (passes, total ms)."""
-    totals: dict[int, tuple[int, float]] = {}
-    for row in stub.GetStats(target_pb2.GetStatsRequest(), timeout=5).verify_latency:
+def target_work(stub: target_pb2_grpc.TargetServiceStub) -> dict[int, tuple[int, float]]:
+    """The target's verify passes so far by rows: rows -> (passes, total ms), and its prefills
+    under rows 0."""
+    stats = stub.GetStats(target_pb2.GetStatsRequest(), timeout=5)
+    totals: dict[int, tuple[int, float]] = {0: (stats.prefills, stats.prefill_ms)}
+    for row in stats.verify_latency:
         count, ms = totals.get(row.batch_size, (0, 0.0))
         totals[row.batch_size] = (count + row.count, ms + row.count * row.mean_ms)
     return totals
@@ -51,15 +55,34 @@ def verify_passes(stub: target_pb2_grpc.TargetServiceStub) -> dict[int, tuple[in
 
 def passes_line(before: dict[int, tuple[int, float]], after: dict[int, tuple[int, float]], wall_s: float) -> str:
     """The cell's verify passes: how many, their mean rows, their mean time, and the share of the
-    wall time the target spent in them (what the scheduler's batching left on the table)."""
+    wall time the target spent in them (what the scheduler's batching left on the table); then
+    its prefills alike (where no depth choice helps)."""
     passes = {b: (c - before.get(b, (0, 0.0))[0], ms - before.get(b, (0, 0.0))[1]) for b, (c, ms) in after.items()}
+    prefills, prefill_ms = passes.pop(0, (0, 0.0))
+    prefill = (f"; prefills {prefills}, mean {prefill_ms / prefills:.1f} ms, in prefills "
+               f"{prefill_ms / 10 / wall_s:.0f} %" if prefills else "")
     count = sum(c for c, _ in passes.values())
     if count <= 0:
         return "no verify passes"
     rows = sum(b * c for b, (c, _) in passes.items()) / count
     total_ms = sum(ms for _, ms in passes.values())
     return (f"verify passes {count}, mean rows {rows:.1f}, mean {total_ms / count:.1f} ms, "
-            f"in passes {total_ms / 10 / wall_s:.0f} % of the wall time")
+            f"in passes {total_ms / 10 / wall_s:.0f} % of the wall time{prefill}")
+
+
+def rep_order(configs: list[str], rep: int, mirror: bool) -> list[str]:
+    """The configurations of repetition `rep` in the order they run: as given, or with `mirror`
+    reversed in every other repetition (A B, B A, ...), so that a drift of the machine over the
+    minutes of a run (prefills of the same prompts grew from 194 to 234 ms over four cells of
+    one run) costs each configuration alike instead of the later one."""
+    return list(reversed(configs)) if mirror and rep % 2 else list(configs)
+
+
+def medians_line(rates: dict[str, list[float]]) -> str:
+    """Each configuration's median tokens/s over the repetitions, and its ratio to the first's."""
+    first = statistics.median(next(iter(rates.values())))
+    return "medians: " + ", ".join(f"{depth} {statistics.median(r):.1f} tok/s ({statistics.median(r) / first:.2f}x)"
+                                   for depth, r in rates.items())
 
 
 def main() -> None:
@@ -84,6 +107,10 @@ def main() -> None:
                              "model's verify estimates and rates); the log directory is printed at the start")
     parser.add_argument("--target-args", default="",
                         help="extra arguments for the target service, space-separated (e.g. \"--straggler-wait-ms 120\")")
+    parser.add_argument("--mirror", action="store_true",
+                        help="reverse the configurations' order in every other repetition (A B, B A, ...): a drift "
+                             "over the run then costs each alike; without it each repetition runs them as given "
+                             "(to measure a configuration after another, e.g. auto after fixed k = 4)")
     parser.add_argument("--show-steps", action="store_true",
                         help="also print each request's k per step and accepted tokens, in finishing order")
     args = parser.parse_args()
@@ -118,11 +145,12 @@ def main() -> None:
                 wait_idle(stub)
             prelude.close()
             print(f"ran {kind} first ({args.configs}), unmeasured", flush=True)
+        rates: dict[str, list[float]] = {depth: [] for depth in args.configs.split(",")}
         for rep in range(args.reps):
-            for depth in args.configs.split(","):
+            for depth in rep_order(list(rates), rep, args.mirror):
                 spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
                 before, start = {n: cpu_seconds(p) for n, p in services.items()}, time.time()
-                passes_before = verify_passes(stub)
+                passes_before = target_work(stub)
                 if args.requests:
                     records, window = gen.closed_loop_held(args.concurrency, args.requests, spec)
                     wall = window[1]
@@ -130,10 +158,12 @@ def main() -> None:
                     records, window = gen.closed_loop_for(args.concurrency, args.seconds, spec, 0.2)
                     wall = window[1]
                 elapsed = time.time() - start
-                cpu = {n: round(100 * (cpu_seconds(p) - before[n]) / elapsed) for n, p in services.items()}
+                used = {n: cpu_seconds(p) - before[n] for n, p in services.items()}
+                cpu = {n: round(100 * s / elapsed) for n, s in used.items()}
                 wait_idle(stub)
-                passes = passes_line(passes_before, verify_passes(stub), elapsed)
+                passes = passes_line(passes_before, target_work(stub), elapsed)
                 s = summarize(records, wall, window=window)
+                rates[depth].append(s["tokens_per_s"])
                 ks = sorted(Counter(k for r in records for k in r.k_per_step).items())
                 drafted = sum(r.num_draft_tokens for r in records)
                 accepted = sum(r.num_accepted_tokens for r in records)
@@ -143,12 +173,14 @@ def main() -> None:
                       f"mean k {s['mean_k']:.2f}, k per step {ks}", flush=True)
                 print(f"    drafted {drafted}, accepted {accepted} ({accepted / max(drafted, 1):.2f}), tokens/step "
                       f"{sum(r.tokens for r in records) / max(steps, 1):.2f}, ttft p50 "
-                      f"{ttft[len(ttft) // 2] * 1000 if ttft else float('nan'):.0f} ms, CPU % {cpu}", flush=True)
+                      f"{ttft[len(ttft) // 2] * 1000 if ttft else float('nan'):.0f} ms, CPU % {cpu}, coordinator "
+                      f"{1000 * used['coordinator'] / max(steps, 1):.2f} ms CPU a step", flush=True)
                 print(f"    {passes}", flush=True)
                 if args.show_steps:
                     for r in sorted(records, key=lambda r: r.done or r.sent):
                         print(f"      {r.prompt_id}: accepted {r.num_accepted_tokens}/{r.num_draft_tokens}, "
                               f"k per step {r.k_per_step}", flush=True)
+        print(medians_line(rates), flush=True)
         gen.close()
     finally:
         stack.stop()
