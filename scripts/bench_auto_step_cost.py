@@ -1,6 +1,7 @@
 """The coordinator's own work per step for auto at k = 0 in a batch: controller, echo and shadow.
 
     PYTHONPATH=. python scripts/bench_auto_step_cost.py [--sessions 16] [--steps 40] [--recent 32] [--debug-log]
+    PYTHONPATH=. python scripts/bench_auto_step_cost.py --acceptance 0.8 [--k-max 16]   # sessions that draft
 
 At 16 sessions the target starts a pass once every session is back, so what each session's
 thread does between one pass's end and its next verify is serialized by the coordinator's
@@ -14,6 +15,10 @@ the method; 0 (the default): a replica's first sessions. `--debug-log` turns the
 controller's debug lines on (formatted, written nowhere), as `SPECD_LOG_LEVEL=DEBUG` would.
 Compare a round's milliseconds with the pass time at that batch size (200-350 ms at 16 rows on
 the 2-core CI machines).
+
+`--acceptance A` times sessions that draft instead: each step `choose`, then `observe` of a
+packed pass in which each drafted token went through with probability A (the method's recent
+sessions at 0.6-0.9), no echo or shadow; the controller's own share of a drafting step.
 """
 
 from __future__ import annotations
@@ -42,20 +47,53 @@ def seeded_cost_model() -> CostModel:
     return model
 
 
+def time_drafting_steps(sessions: int, steps: int, k_max: int, acceptance: float) -> None:
+    """`--acceptance`: the controller's time per step of sessions that draft (see the docstring)."""
+    rng = random.Random(0)
+    costs, peers, shared = seeded_cost_model(), PassPeers(), SharedAcceptance()
+    for _ in range(32):
+        shared.report_session(rng.uniform(0.6, 0.9), 0.9)
+    controllers = [make_controller("auto", k_max, costs, shared, peers) for _ in range(sessions)]
+    load = LoadSignal(0, sessions)
+    choose_s = observe_s = 0.0
+    depths = []
+    for step in range(steps):
+        for controller in controllers:
+            t0 = time.perf_counter()
+            k = controller.choose(load, remaining=100)
+            t1 = time.perf_counter()
+            accepted = next((i for i in range(k) if rng.random() >= acceptance), k)
+            controller.observe(k, accepted, 5.0, 150.0, sessions, pass_block_length=k + 1, compute_ms=140.0,
+                               requested=k, pass_positions=3 * sessions, packed=True, pass_id=step + 1)
+            observe_s += time.perf_counter() - t1
+            choose_s += t1 - t0
+            depths.append(k)
+    n = steps * sessions
+    print(f"{sessions} sessions drafting at acceptance {acceptance}, k_max {k_max}, {steps} steps: mean k "
+          f"{sum(depths) / n:.1f}; per session-step choose {choose_s / n * 1e6:.0f} us, observe "
+          f"{observe_s / n * 1e6:.0f} us; a round of {sessions}: {(choose_s + observe_s) / steps * 1e3:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--recent", type=int, default=0)
     parser.add_argument("--debug-log", action="store_true")
+    parser.add_argument("--acceptance", type=float, default=0.0,
+                        help="time sessions that draft, each token accepted with this probability (0: k = 0 steps)")
+    parser.add_argument("--k-max", type=int, default=8, help="the controllers' deepest block (default 8)")
     args = parser.parse_args()
     if args.debug_log:
         logging.basicConfig(level=logging.DEBUG, stream=open(os.devnull, "w"))
+    if args.acceptance > 0:
+        time_drafting_steps(args.sessions, args.steps, args.k_max, args.acceptance)
+        return
     rng = random.Random(0)
     costs, peers, shared = seeded_cost_model(), PassPeers(), SharedAcceptance()
     for _ in range(args.recent):
         shared.report_session(rng.uniform(0.1, 0.4), 0.5)
-    controllers = [make_controller("auto", 8, costs, shared, peers) for _ in range(args.sessions)]
+    controllers = [make_controller("auto", args.k_max, costs, shared, peers) for _ in range(args.sessions)]
     for controller in controllers:
         controller.echoes = True
     context = [rng.randrange(VOCAB) for _ in range(CONTEXT_TOKENS)]
