@@ -229,6 +229,9 @@ class DepthController:
         self._saving_cache: tuple[tuple[int, int], float] | None = None  # (shared version, batch) -> ms/token
         # share of the asked draft tokens the proposer drafted; starts from the method's recent steps
         self.fill = RunningMean(shared.fill if shared is not None else 1.0, FILL_PRIOR)
+        # the last `_mixture_tokens` result, with its prior and (successes, trials, fill): a
+        # session at k = 0 asks the same at step after step until its trials or fill change
+        self._mixture_last: tuple[Any, tuple[float, float, float], list[float]] | None = None
         # within one choose(): what its probe and rate lookups share (`_memoized`); None outside
         self._memo: dict[tuple, Any] | None = None
         # whether observe() hears echoes (coordinator/echo.py: the engine checks them for methods
@@ -272,7 +275,7 @@ class DepthController:
         # decides: position 0's rate alone is the noisier estimate, and at batch 12 with geometric
         # acceptance 0.9 it turned a 2-3 token block off in 9 of 30 simulated sessions, not 1.
         profile = self.estimator.profile(self.k_max) if optimistic is None and b == 1 else None
-        return pass_rates(alphas, cm.draft_ms, verify, self.k_max, fills, profile), b
+        return pass_rates(alphas, cm.draft_costs(self.k_max), verify, self.k_max, fills, profile), b
 
     def _depth_reach(self) -> int:
         """The deepest k worth considering in a batch: twice the deepest position that this
@@ -347,7 +350,7 @@ class DepthController:
             alpha = acceptance_lower_bound(alpha, self.estimator.weight, self.batch_z)
         penalty = load_penalty(load)
         plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
-        return packed_rates(alpha, cm.draft_ms, plain, position, b, self.k_max, fill, profile,
+        return packed_rates(alpha, cm.draft_costs(self.k_max), plain, position, b, self.k_max, fill, profile,
                             jump_ms=self._jump_share(b, plain, position, optimistic) * penalty, expected=expected)
 
     def _mixture_tokens(self, fill: float) -> list[float] | None:
@@ -360,8 +363,12 @@ class DepthController:
         if prior is None:
             return None
         successes = sum(self.estimator.successes)
-        return self._memoized(("mixture", id(prior), successes, trials, fill),
-                              lambda: prior.tokens(successes, trials, fill))
+        last = self._mixture_last
+        if last is not None and last[0] is prior and last[1] == (successes, trials, fill):
+            return last[2]
+        expected = prior.tokens(successes, trials, fill)
+        self._mixture_last = (prior, (successes, trials, fill), expected)
+        return expected
 
     def _jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None = None) -> float:
         """This session's share of `CostModel.packed_jump_ms`: none when a peer drafts (the pass

@@ -97,6 +97,7 @@ class CostModel:
         self._open = RunningMean()  # ms to open a draft session (a probe from k = 0 opens one)
         self._lines: dict[int, tuple[float, float]] = {}
         self._draft_line: tuple[float, float] | None = None
+        self._draft_costs: dict[int, tuple[float, ...]] = {}  # k_max -> draft_ms(0 .. k_max), until a draft is seen
         # the passes counted lately: their other rows' reports are skipped (a replica numbers its
         # passes; rows of one pass come back together, so a short memory does)
         self._recent_passes: deque[int] = deque(maxlen=RECENT_PASSES)
@@ -165,6 +166,7 @@ class CostModel:
                 cell = self._draft.setdefault(k, RunningMean())
                 cell.add(_clip(ms, cell), DRAFT_WINDOW)
                 self._draft_line = None
+                self._draft_costs.clear()
 
     def observe_open(self, ms: float) -> None:
         """Opening a draft session (its stream, the draft's prefill of the context) took `ms`."""
@@ -402,6 +404,20 @@ class CostModel:
                 self._draft_line = self._fit_draft()
             c, m = self._draft_line
         return max(c + m * (k - 1), 0.0)
+
+    def draft_costs(self, k_max: int) -> tuple[float, ...]:
+        """`draft_ms(k)` for k = 0 .. k_max, kept until the next draft is observed. Every session
+        prices every depth at every step: 17 calls, each taking the lock, were a fifth of a
+        session's step at k = 0 in a batch of 16 (`scripts/bench_auto_step_cost.py`)."""
+        with self._lock:
+            costs = self._draft_costs.get(k_max)
+            if costs is None:
+                if self._draft_line is None:
+                    self._draft_line = self._fit_draft()
+                c, m = self._draft_line
+                costs = (0.0, *(max(c + m * (k - 1), 0.0) for k in range(1, k_max + 1)))
+                self._draft_costs[k_max] = costs
+            return costs
 
     def _fit_draft(self) -> tuple[float, float]:
         """(cost at k = 1, cost per extra token) of the draft: a line through the observed k,

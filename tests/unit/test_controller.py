@@ -740,6 +740,14 @@ def test_a_closed_session_that_drafted_is_reported_once() -> None:
     assert recent is not None and len(recent) == 4 and all(a > 0.5 and f == 1.0 for a, f in recent)
 
 
+def test_draft_costs_are_draft_ms_per_depth_until_the_next_draft() -> None:
+    cm = CostModel(draft_per_token_ms=2.0)
+    assert cm.draft_costs(4) == (0.0, 2.0, 4.0, 6.0, 8.0)
+    cm.observe_draft(2, 10.0)  # one point: proportional to k through it
+    assert cm.draft_costs(4) == tuple(cm.draft_ms(k) for k in range(5)) == (0.0, 5.0, 10.0, 15.0, 20.0)
+    assert cm.draft_costs(2) == (0.0, 5.0, 10.0)
+
+
 def test_the_draft_line_follows_new_observations() -> None:
     cm = CostModel()
     cm.observe_draft(2, 10.0)
@@ -1385,6 +1393,23 @@ def test_a_methods_mixture_prior_is_built_once_per_set_of_recent_sessions() -> N
     shared.report_session(0.5)
     assert shared.mixture_prior(8) is not prior
     assert shared_after_sessions([0.9] * 3).mixture_prior(8) is None  # too few sessions to say
+
+
+def test_a_session_reuses_its_mixture_tokens_until_its_evidence_or_fill_changes() -> None:
+    """A session at k = 0 asks for the same posterior step after step: it is kept, and it is
+    `MixturePrior.tokens` of the session's current evidence whenever that changes."""
+    shared = shared_after_sessions([0.86, 0.92, 0.3] * 3)
+    session = DepthController(8, packed_cost_model_at_16(), shared=shared)
+    prior = shared.mixture_prior(8)
+    assert prior is not None
+    first = session._mixture_tokens(0.8)
+    assert session._mixture_tokens(0.8) is first and first == prior.tokens(0, 0, 0.8)
+    assert session._mixture_tokens(0.5) == prior.tokens(0, 0, 0.5)  # another fill
+    session.observe(4, 4, 1.0, 200.0, 16, pass_block_length=5, pass_positions=20, packed=True, pass_id=1)
+    trials, successes = sum(session.estimator.trials), sum(session.estimator.successes)
+    assert trials > 0 and session._mixture_tokens(0.5) == prior.tokens(successes, trials, 0.5)
+    shared.report_session(0.5)  # a new set of recent sessions: a new prior
+    assert session._mixture_tokens(0.5) == shared.mixture_prior(8).tokens(successes, trials, 0.5)
 
 
 def packed_cost_model_here() -> CostModel:
