@@ -400,10 +400,7 @@ class CostModel:
         if k <= 0:
             return 0.0
         with self._lock:
-            if self._draft_line is None:
-                self._draft_line = self._fit_draft()
-            c, m = self._draft_line
-        return max(c + m * (k - 1), 0.0)
+            return self._draft_at(k)
 
     def draft_costs(self, k_max: int) -> tuple[float, ...]:
         """`draft_ms(k)` for k = 0 .. k_max, kept until the next draft is observed. Every session
@@ -412,12 +409,16 @@ class CostModel:
         with self._lock:
             costs = self._draft_costs.get(k_max)
             if costs is None:
-                if self._draft_line is None:
-                    self._draft_line = self._fit_draft()
-                c, m = self._draft_line
-                costs = (0.0, *(max(c + m * (k - 1), 0.0) for k in range(1, k_max + 1)))
+                costs = (0.0, *(self._draft_at(k) for k in range(1, k_max + 1)))
                 self._draft_costs[k_max] = costs
             return costs
+
+    def _draft_at(self, k: int) -> float:
+        """The draft line at k >= 1 (under the lock), fitted when a draft was seen since."""
+        if self._draft_line is None:
+            self._draft_line = self._fit_draft()
+        c, m = self._draft_line
+        return max(c + m * (k - 1), 0.0)
 
     def _fit_draft(self) -> tuple[float, float]:
         """(cost at k = 1, cost per extra token) of the draft: a line through the observed k,

@@ -29,7 +29,8 @@ import os
 import random
 import time
 
-from coordinator.controller import CostModel, LoadSignal, PassPeers, SharedAcceptance, make_controller
+from coordinator.controller import (CostModel, DepthController, LoadSignal, PassPeers, SharedAcceptance,
+                                   make_controller)
 from coordinator.echo import EchoLookup, ShadowDraft, echo_hit
 
 CONTEXT_TOKENS = 300
@@ -47,13 +48,20 @@ def seeded_cost_model() -> CostModel:
     return model
 
 
+def seeded_replica(rng: random.Random, sessions: int, k_max: int, recent: int, acceptances: tuple[float, float],
+                   fill: float) -> list[DepthController]:
+    """`sessions` auto controllers on one replica (`seeded_cost_model`, shared pass peers), their
+    method's last `recent` sessions at acceptances drawn from `acceptances` with `fill`."""
+    costs, peers, shared = seeded_cost_model(), PassPeers(), SharedAcceptance()
+    for _ in range(recent):
+        shared.report_session(rng.uniform(*acceptances), fill)
+    return [make_controller("auto", k_max, costs, shared, peers) for _ in range(sessions)]
+
+
 def time_drafting_steps(sessions: int, steps: int, k_max: int, acceptance: float) -> None:
     """`--acceptance`: the controller's time per step of sessions that draft (see the docstring)."""
     rng = random.Random(0)
-    costs, peers, shared = seeded_cost_model(), PassPeers(), SharedAcceptance()
-    for _ in range(32):
-        shared.report_session(rng.uniform(0.6, 0.9), 0.9)
-    controllers = [make_controller("auto", k_max, costs, shared, peers) for _ in range(sessions)]
+    controllers = seeded_replica(rng, sessions, k_max, 32, (0.6, 0.9), 0.9)
     load = LoadSignal(0, sessions)
     choose_s = observe_s = 0.0
     depths = []
@@ -90,10 +98,7 @@ def main() -> None:
         time_drafting_steps(args.sessions, args.steps, args.k_max, args.acceptance)
         return
     rng = random.Random(0)
-    costs, peers, shared = seeded_cost_model(), PassPeers(), SharedAcceptance()
-    for _ in range(args.recent):
-        shared.report_session(rng.uniform(0.1, 0.4), 0.5)
-    controllers = [make_controller("auto", args.k_max, costs, shared, peers) for _ in range(args.sessions)]
+    controllers = seeded_replica(rng, args.sessions, args.k_max, args.recent, (0.1, 0.4), 0.5)
     for controller in controllers:
         controller.echoes = True
     context = [rng.randrange(VOCAB) for _ in range(CONTEXT_TOKENS)]
