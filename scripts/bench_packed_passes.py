@@ -5,7 +5,8 @@
 Times one pass of the bundled target over `--batch` sessions with `--cached` tokens each, for
 several mixes of block lengths (plain decoding, one session verifying a block of 3 or 9 among
 decode rows, a quarter or half of the batch speculating, every row at 3, mixes of 4 to 7 and of
-fixed k = 4 where some drafts came back short), three ways, interleaved, median of 7 passes each:
+fixed k = 4 where some drafts came back short, every row at 5 and blocks as ragged as auto's
+at 16 code edits with as many positions), three ways, interleaved, median of 7 passes each:
 padded to the longest block (`BatchedForward(packed=False)`), packed
 (target_service/packed_attention.py) and packed with attention by rows (each row's first token
 in one call, the rest of each block in a call of its own: `grid_length` held at 1). Before
@@ -40,6 +41,9 @@ def mixes(batch: int) -> dict[str, list[int]]:
         "4 to 7": [4 + b % 4 for b in range(batch)],
         "k4, some short": [(5, 5, 3, 5, 1, 5, 5, 2)[b % 8] for b in range(batch)],
         "k4, one at 12": [12] + [(5, 5, 3, 5, 1, 5, 5, 2)[b % 8] for b in range(1, batch)],
+        # as many positions as "every row at 5", in blocks like auto's at 16 code edits
+        "every row at 5": [5] * batch,
+        "ragged, as at 5": [(2, 2, 2, 2, 2, 2, 2, 2, 3, 4, 6, 7, 9, 10, 12, 13)[b % 16] for b in range(batch)],
     }
 
 
