@@ -272,10 +272,7 @@ class VerifyScheduler:
                 w.future.set_exception(exc)
             return
         end = time.perf_counter()
-        if batch[0].proposal is None and log.isEnabledFor(logging.DEBUG):
-            after = start - (self._last_end if self._last_end is not None else start)
-            log.debug("prefill of %d tokens: %.1f ms, starting %.1f ms after the last pass ended",
-                      len(batch[0].session.prompt_ids), 1000 * (end - start), 1000 * after)
+        idle_before = start - (self._last_end if self._last_end is not None else start)
         self._last_end = end
         compute_ms = (end - start) * 1000
         block = 1
@@ -296,6 +293,9 @@ class VerifyScheduler:
             self._pass_s = seconds if self._pass_s is None else self._pass_s + PASS_EMA * (seconds - self._pass_s)
         else:
             self.stats.record_prefill(compute_ms)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("prefill of %d tokens: %.1f ms, starting %.1f ms after the last pass ended",
+                          len(batch[0].session.prompt_ids), compute_ms, 1000 * idle_before)
         with self._cv:
             for w in batch:
                 self._delivered_at[w.session.session_id] = end
