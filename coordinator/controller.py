@@ -237,6 +237,10 @@ class DepthController:
         # whether observe() hears echoes (coordinator/echo.py: the engine checks them for methods
         # that draft from the context); in a batch they then call the probes (`_probe_due`)
         self.echoes = False
+        # whether the engine asks the proposer only at steps where the context holds a match for it
+        # (an n-gram's lookup in the coordinator finds one): alone, a step at k > 0 then costs
+        # nothing where the proposer has nothing to draft (`_rates`)
+        self.match_gated = False
         self.peers = peers if mode == "auto" else None
         self._peer = self.peers.join(estimator.alpha, self.fill.mean) if self.peers is not None else 0
         self._closed = False
@@ -256,9 +260,18 @@ class DepthController:
                fill: float | None = None) -> tuple[list[float], int]:
         """Expected tokens/ms per depth, and the pass's rows they assume; with `optimistic`,
         unproven peers count at least at it. Without it (the session's own estimate, not a what-if
-        rate) this session's positions count at their own rates (`pass_rates`'s profile)."""
+        rate) this session's positions count at their own rates (`pass_rates`'s profile).
+
+        `match_gated` and alone: the steps that draft are the ones whose context holds a match, and
+        the others cost nothing (no draft call, no positions), so a depth is priced as a step that
+        drafts (fill 1): what it is worth is what it is worth where it happens. Priced at the
+        session's fill instead, every step also paid the draft call it now skips, and chat and
+        completion prompts, whose n-gram blocks (on half the steps or fewer) keep a tenth of their
+        tokens at position 0 but half of the rest, stayed at k = 0 at concurrency 1 where fixed
+        k = 4 ran about 1.1x speculation off."""
         b = self._batch(load)
-        fill = self.fill.mean if fill is None else fill
+        if fill is None:
+            fill = 1.0 if self.match_gated and b == 1 else self.fill.mean
         if self._packed(b):
             return self._packed_rates(alpha, load, b, optimistic, fill), b
         if self.peers is not None:

@@ -3,8 +3,10 @@
     prefill -> first token
     repeat: k = depth for this step (fixed, or the request's DepthController; never past
                 max_tokens or the context)
-            draft k tokens (skipped when k = 0; the draft session is opened on first use and
-                closed while the controller keeps speculation off, so a disabled path costs nothing)
+            draft k tokens (skipped when k = 0, and for an auto session of the n-gram proposer
+                when the context holds no match for it to draft from; the draft session is opened
+                on first use and closed while the controller keeps speculation off, so a disabled
+                path costs nothing)
             verify them in one target pass -> accepted draft tokens + 1 target token
             tell the draft what was appended; check stop conditions; emit the new tokens
             (with a session that sends and reads a verify in two calls, the remote one, a
@@ -230,6 +232,10 @@ class SpeculativeEngine:
         # for the n-gram proposer the lookup also knows the block it would draft: k = 0 steps judge
         # it against the output that follows, a free trial (coordinator/echo.py's ShadowDraft)
         shadow = ShadowDraft() if echoing and self.proposer.name == "ngram" else None  # type: ignore[union-attr]
+        # and whether it would draft anything at all: a step whose lookup finds no match asks the
+        # draft nothing (it would send an empty block back, a round trip for nothing)
+        if controller is not None:
+            controller.match_gated = shadow is not None
         step = 0
         try:
             first = target.prefill(gen.token_ids)
@@ -258,6 +264,8 @@ class SpeculativeEngine:
                 if k > 0 and draft is not None:
                     if predrafted is not None:
                         proposal = _truncate(predrafted, k)
+                    elif shadow is not None and not echo.ngram_draft(1):  # type: ignore[union-attr]
+                        pass  # the n-gram's lookup finds nothing to draft here: no call (`match_gated`)
                     else:
                         t = time.perf_counter()
                         proposal = draft.propose(context, k, step)

@@ -342,3 +342,45 @@ def test_a_fixed_k_teaches_its_replicas_cost_model_what_its_passes_cost(tiny):
     untaught = SpeculativeEngine(TargetModel(tiny), make_proposer("draft_model", tiny), k=4, eos_token_ids=frozenset())
     untaught.generate([1, 2, 3], SamplingParams(max_tokens=21)).run()
     assert [count for _, _, count, _, _ in shared.verify_table()] == [4]  # without cost_models nothing is recorded
+
+
+class _AlwaysTwo(_HeldOffListening):
+    """An auto controller that asks for a block of 2 at every step."""
+
+    def choose(self, load=None, remaining=None) -> int:
+        self.history.append(2)
+        return 2
+
+
+def test_an_auto_n_gram_session_asks_the_draft_only_where_its_context_holds_a_match(tiny):
+    """The coordinator's lookup knows whether the n-gram proposer would draft anything: a step
+    whose context has no match for it makes no draft call (it would come back empty), and the
+    others call it as before. Replayed over the output: the calls are exactly the steps whose
+    context had a match, the output is the target's own, and the controller is told it is gated."""
+    calls: list[int] = []
+    proposer = make_proposer("ngram")
+    open_session = proposer.open_session
+
+    def counting_session(prompt_ids, params):
+        session = open_session(prompt_ids, params)
+        propose = session.propose
+        session.propose = lambda k: (calls.append(k), propose(k))[1]  # type: ignore[method-assign]
+        return session
+
+    proposer.open_session = counting_session  # type: ignore[method-assign]
+    controller = _AlwaysTwo()
+    engine = SpeculativeEngine(TargetModel(tiny), proposer, depth=_OneController(controller), eos_token_ids=frozenset())
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    gen = engine.generate(prompt, SamplingParams(max_tokens=40)).run()
+    out = gen.token_ids
+    assert out == reference(tiny, prompt, 40)
+    assert controller.match_gated
+    produced, expected = 1, []  # out[0] came from the prefill
+    for _ in gen.stats.k_per_step:  # replay: a block of 2 where the n-gram finds one, none elsewhere
+        block = find_ngram_continuation(prompt + out[:produced], min(2, len(out) - produced - 1))
+        expected.append(len(block))
+        accepted = next((i for i, token in enumerate(block) if token != out[produced + i]), len(block))
+        produced += accepted + 1
+    assert produced == len(out) and gen.stats.k_per_step == expected
+    assert len(calls) == sum(1 for k in expected if k > 0) > 0
+    assert 0 in expected[:-1], expected  # some step (not the last) found no match and asked nothing

@@ -37,6 +37,7 @@ from coordinator.controller import (
     probe_period,
 )
 from coordinator.echo import EchoLookup, ShadowDraft, echo_guess, echo_hit
+from coordinator.running_mean import RunningMean
 from draft_service.proposers.ngram import NgramProposer
 from specd.sampling import SamplingParams
 
@@ -925,6 +926,33 @@ def test_a_flat_profile_is_the_geometric_model_and_a_copying_one_goes_deeper() -
     pooled = pass_rates([est.alpha], lambda k: 0.0, verify, K_MAX)
     own = pass_rates([est.alpha], lambda k: 0.0, verify, K_MAX, profile=copying)
     assert own.index(max(own)) == K_MAX > pooled.index(max(pooled))
+
+
+def test_a_gated_session_alone_prices_a_depth_where_its_proposer_drafts() -> None:
+    """Alone, an n-gram session whose context holds a match one step in three and whose blocks
+    keep a fifth of their first tokens and half of the second (chat prompts on this project's
+    CPU machines): priced at its fill, every step pays the draft call and plain decoding wins;
+    gated (the engine asks the proposer only where its lookup finds a match, so the other steps
+    cost nothing), a depth is priced where it drafts, and there a block of 2 is worth about 1.2x
+    a plain step."""
+    cm = CostModel()
+    for _ in range(16):
+        cm.observe_verify(1, 1, 40.0)
+        for n in (2, 3, 5):
+            cm.observe_verify(1, n, 41.0 + 0.3 * (n - 1))
+        cm.observe_draft(2, 2.0)
+        cm.observe_draft(4, 2.1)
+
+    def session(gated: bool) -> DepthController:
+        controller = DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.3, prior_weight=1.0))
+        for i in range(40):  # blocks of 4: 1 in 5 keeps its first token, half of those the second
+            controller.estimator.update(4, 0 if i % 5 else (2 if i % 10 == 0 else 1))
+        controller.fill = RunningMean(1.0 / 3.0, 16.0)
+        controller.match_gated = gated
+        return controller
+
+    assert session(gated=False).target() == 0
+    assert session(gated=True).target() >= 2
 
 
 def test_a_session_alone_that_copies_chooses_deeper_than_its_pooled_rate_says() -> None:
