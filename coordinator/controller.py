@@ -265,10 +265,11 @@ class DepthController:
         `match_gated` and alone: the steps that draft are the ones whose context holds a match, and
         the others cost nothing (no draft call, no positions), so a depth is priced as a step that
         drafts (fill 1): what it is worth is what it is worth where it happens. Priced at the
-        session's fill instead, every step also paid the draft call it now skips, and chat and
-        completion prompts, whose n-gram blocks (on half the steps or fewer) keep a tenth of their
-        tokens at position 0 but half of the rest, stayed at k = 0 at concurrency 1 where fixed
-        k = 4 ran about 1.1x speculation off."""
+        session's fill instead, every step also paid the draft call it now skips, and chat, code
+        and completion prompts, whose n-gram blocks (on two fifths of the steps or fewer) keep a
+        sixth to two fifths of their first tokens and half or more of the next ones
+        (`scripts/ngram_replay.py`), stayed at k = 0 alone where fixed k = 4, drafting on every
+        match, saved a tenth of the passes."""
         b = self._batch(load)
         if fill is None:
             fill = 1.0 if self.match_gated and b == 1 else self.fill.mean
