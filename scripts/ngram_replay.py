@@ -20,25 +20,10 @@ import sys
 from collections import defaultdict
 from typing import Sequence
 
-import torch
-
-from draft_service.proposers.ngram import find_ngram_continuation
+from coordinator.bench import HF_TARGET, hf_systems
+from draft_service.proposers.ngram import replay_fixed_k
 from specd.models import load_model
 from specd.workloads import default_prompts_path, load_prompts
-
-
-def replay_steps(prompt: Sequence[int], output: Sequence[int], k: int) -> list[tuple[int, int]]:
-    """(drafted, accepted) of every step after the prefill's token when each step asks the n-gram
-    proposer for k tokens; drafted 0 where the context holds no match, never past the output."""
-    steps, produced = [], 1  # output[0] came from the prefill
-    context = list(prompt) + list(output[:1])
-    while produced < len(output):
-        block = find_ngram_continuation(context, min(k, len(output) - produced - 1)) if k > 0 else []
-        accepted = next((i for i, token in enumerate(block) if token != output[produced + i]), len(block))
-        steps.append((len(block), accepted))
-        context.extend(output[produced:produced + accepted + 1])
-        produced += accepted + 1
-    return steps
 
 
 def position_rates(steps: Sequence[tuple[int, int]], depth: int) -> list[tuple[int, int]]:
@@ -51,14 +36,6 @@ def position_rates(steps: Sequence[tuple[int, int]], depth: int) -> list[tuple[i
     return [(a, n) for a, n in counts]
 
 
-def greedy(model, ids: list[int], n: int) -> list[int]:
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        out = model.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                                   pad_token_id=min(model.eos_token_ids, default=0))
-    return out[0, len(ids):].tolist()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", default="", help="comma list of workload kinds (default: all)")
@@ -69,11 +46,13 @@ def main() -> None:
     prompts = load_prompts(default_prompts_path())
     kinds = args.kinds.split(",") if args.kinds else sorted({p.kind for p in prompts})
     target = load_model()
+    transformers = hf_systems(target, [HF_TARGET], 0)[0]  # target-only greedy decoding, as the benches' baseline
     by_kind: dict[str, list[tuple[list[int], list[int]]]] = defaultdict(list)
     for p in prompts:
         if p.kind in kinds:
             ids = target.encode(p.prompt, chat=p.chat)
-            by_kind[p.kind].append((ids, greedy(target, ids, min(p.max_tokens, args.max_tokens))))
+            output, _ = transformers.run(p.with_max_tokens(min(p.max_tokens, args.max_tokens)), ids)
+            by_kind[p.kind].append((ids, output))
             print(f"generated {p.id}", file=sys.stderr, flush=True)
     deepest = max(depths)
     print(f"| kind | tokens | steps with a match (k = {deepest}) | accepted / tried per position "
@@ -81,12 +60,11 @@ def main() -> None:
     print("|---|---|---|---|---|" + "---|" * len(depths))
     for kind in kinds:
         runs = by_kind[kind]
-        tokens = sum(len(output) for _, output in runs)
-        deep = [s for prompt, output in runs for s in replay_steps(prompt, output, deepest)]
+        tokens = off = sum(len(output) for _, output in runs)  # off: a prefill and one pass per later token
+        deep = [s for prompt, output in runs for s in replay_fixed_k(prompt, output, deepest)]
         matched = sum(1 for drafted, _ in deep if drafted)
         rates = [f"{a}/{n}" for a, n in position_rates(deep, min(deepest, 4)) if n]
-        off = sum(len(output) for _, output in runs)  # a prefill and one pass per later token
-        passes = [len(runs) + sum(len(replay_steps(prompt, output, k)) for prompt, output in runs) for k in depths]
+        passes = [len(runs) + sum(len(replay_fixed_k(prompt, output, k)) for prompt, output in runs) for k in depths]
         print(f"| {kind} | {tokens} | {matched}/{len(deep)} | {' '.join(rates)} | {off} | "
               + " | ".join(f"{n} ({off / n:.2f}x)" for n in passes) + " |")
 

@@ -71,6 +71,24 @@ def find_ngram_continuation(
     return arr[start : start + k].tolist()
 
 
+def replay_fixed_k(prompt: Sequence[int], output: Sequence[int], k: int) -> list[tuple[int, int]]:
+    """(drafted, accepted) of every step after the prefill's token, had each step asked this
+    proposer for k tokens while the target produced `output`: the proposer's block is a function of
+    the context alone and a greedy output does not depend on the drafts, so the steps are known
+    without running them. A block stops short where the match runs out (drafted 0 where the
+    context holds none) and never reaches past the output's last token, as the engine's
+    max_tokens limit would have it; accepted is its agreement with the output."""
+    steps, produced = [], 1  # output[0] came from the prefill
+    context = list(prompt) + list(output[:1])
+    while produced < len(output):
+        block = find_ngram_continuation(context, min(k, len(output) - produced - 1)) if k > 0 else []
+        accepted = next((i for i, token in enumerate(block) if token != output[produced + i]), len(block))
+        steps.append((len(block), accepted))
+        context.extend(output[produced:produced + accepted + 1])
+        produced += accepted + 1
+    return steps
+
+
 class NgramIndex:
     """`find_ngram_continuation` for a sequence that grows at its end, one dict lookup per pattern
     length instead of a pass over the sequence.

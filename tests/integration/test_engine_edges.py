@@ -14,7 +14,7 @@ from coordinator.depth import EMBEDDED, DepthPolicy
 from coordinator.echo import ShadowDraft
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import Proposal, make_proposer
-from draft_service.proposers.ngram import find_ngram_continuation
+from draft_service.proposers.ngram import find_ngram_continuation, replay_fixed_k
 from specd.errors import InvalidArgument, PromptTooLong
 from specd.models import load_model, save_tiny_random_model
 from specd.sampling import SamplingParams
@@ -375,12 +375,8 @@ def test_an_auto_n_gram_session_asks_the_draft_only_where_its_context_holds_a_ma
     out = gen.token_ids
     assert out == reference(tiny, prompt, 40)
     assert controller.match_gated
-    produced, expected = 1, []  # out[0] came from the prefill
-    for _ in gen.stats.k_per_step:  # replay: a block of 2 where the n-gram finds one, none elsewhere
-        block = find_ngram_continuation(prompt + out[:produced], min(2, len(out) - produced - 1))
-        expected.append(len(block))
-        accepted = next((i for i, token in enumerate(block) if token != out[produced + i]), len(block))
-        produced += accepted + 1
-    assert produced == len(out) and gen.stats.k_per_step == expected
+    # replay: a block of 2 where the n-gram finds one, none elsewhere
+    expected = [drafted for drafted, _ in replay_fixed_k(prompt, out, 2)]
+    assert gen.stats.k_per_step == expected
     assert len(calls) == sum(1 for k in expected if k > 0) > 0
     assert 0 in expected[:-1], expected  # some step (not the last) found no match and asked nothing

@@ -931,10 +931,10 @@ def test_a_flat_profile_is_the_geometric_model_and_a_copying_one_goes_deeper() -
 def test_a_gated_session_alone_prices_a_depth_where_its_proposer_drafts() -> None:
     """Alone, an n-gram session whose context holds a match one step in three and whose blocks
     keep a fifth of their first tokens and half of the second (about what the n-gram does on the
-    benchmark's chat prompts, `scripts/ngram_replay.py`): priced at its fill, every step pays the draft call and plain decoding wins;
-    gated (the engine asks the proposer only where its lookup finds a match, so the other steps
-    cost nothing), a depth is priced where it drafts, and there a block of 2 is worth about 1.2x
-    a plain step."""
+    benchmark's chat prompts, `scripts/ngram_replay.py`): priced at its fill, every step pays the
+    draft call and plain decoding wins; gated (the engine asks the proposer only where its lookup
+    finds a match, so the other steps cost nothing), a depth is priced where it drafts, and there
+    a block of 2 is worth about 1.2x a plain step."""
     cm = CostModel()
     for _ in range(16):
         cm.observe_verify(1, 1, 40.0)
