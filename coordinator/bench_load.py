@@ -63,6 +63,10 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
                    help="at concurrency 1 each configuration runs the kind's prompts this many times, in passes "
                         "interleaved like --cell-parts, transformers' target-only baseline among them: a kind's "
                         "cell is 2-5 prompts, a few seconds, and the machine swings by 15 %% over seconds (default 1)")
+    p.add_argument("--first-run", type=int, default=0,
+                   help="number the runs from this one: run r orders its cells as run first_run + r would "
+                        "(`cell_order`), so that sweeps made apart and merged (scripts/merge_bench_load.py) "
+                        "do not all run the configurations in the first run's order (default 0)")
     p.add_argument("--stagger-seconds", type=float, default=0.2,
                    help="at concurrency >= 2, client i sends its first request i times this late, so that "
                         "requests do not run in step (default 0.2)")
@@ -120,7 +124,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
         gens[kinds[0]].closed_loop(max(levels), max(levels), warm)
         hf.run(prompts[0].with_max_tokens(8), encoded[prompts[0].id])
         hf_interleaved = 1 in levels and args.c1_passes > 1  # transformers runs among the c1 passes
-        for run in range(args.runs):
+        for run in range(args.first_run, args.first_run + args.runs):
             for kind in kinds:
                 kind_prompts = [q for q in prompts if q.kind == kind]
                 if not hf_interleaved:
@@ -344,36 +348,76 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 2) if values else 0.0
 
 
-def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ramp, args, errors) -> dict:
-    cells = {kind: {str(c): {name: _median(tps[kind][c][name]) for name, _ in configs} for c in levels} for kind in kinds}
-    lat = {kind: {str(c): {name: _median(p50[kind][c][name]) for name, _ in configs} for c in levels} for kind in kinds}
+RATIOS = ("low_auto_vs_best_fixed", "high_auto_vs_off", "high_auto_vs_best_fixed",
+          "low_auto_vs_transformers_target_only", "low_off_vs_transformers_target_only")
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def target_checks(cells: dict, hf: dict[str, float], levels: list[int], fixed: list[int]) -> dict:
+    """The issue's ratios for each kind, from one set of cells (kind -> level -> configuration ->
+    tokens/s) and transformers' tokens/s per kind: a run's own, or the medians over runs."""
     checks = {}
-    for kind in kinds:
-        c1 = cells[kind][str(levels[0])]
-        top = cells[kind][str(levels[-1])]
+    for kind, rows in cells.items():
+        c1, top = rows[str(levels[0])], rows[str(levels[-1])]
         best_name, best_value = best_fixed(c1, fixed)
         top_best_name, top_best = best_fixed(top, fixed)
         checks[kind] = {
             "low_best_fixed": best_name,
-            "low_auto_vs_best_fixed": round(c1[AUTO] / best_value, 3) if best_value else None,
-            "high_auto_vs_off": round(top[AUTO] / top[OFF], 3) if top[OFF] else None,
+            "low_auto_vs_best_fixed": _ratio(c1[AUTO], best_value),
+            "high_auto_vs_off": _ratio(top[AUTO], top[OFF]),
             "high_best_fixed": top_best_name,
-            "high_auto_vs_best_fixed": round(top[AUTO] / top_best, 3) if top_best else None,
-            "low_auto_vs_transformers_target_only": round(c1[AUTO] / _median(hf_tps[kind]), 3),
-            "low_off_vs_transformers_target_only": round(c1[OFF] / _median(hf_tps[kind]), 3),
+            "high_auto_vs_best_fixed": _ratio(top[AUTO], top_best),
+            "low_auto_vs_transformers_target_only": _ratio(c1[AUTO], hf.get(kind, 0.0)),
+            "low_off_vs_transformers_target_only": _ratio(c1[OFF], hf.get(kind, 0.0)),
         }
+    return checks
+
+
+def paired_checks(kinds, levels, fixed, configs, tps, hf_tps, useless) -> dict:
+    """Each run's own ratios (`target_checks` on that run's cells, a configuration against the
+    others measured beside it), and their median over the runs. Runs made apart differ by more
+    than the configurations of one run do (the same cells of three sweeps of one commit read
+    112-125 tok/s for speculation off at 16 chat sessions), and a ratio of medians can set one
+    run's numerator over another's denominator; the paired median cannot."""
+    runs = min([len(hf_tps[kind]) for kind in kinds]
+               + [len(v) for kind in kinds for c in levels for v in tps[kind][c].values()])
+    per_run = []
+    for r in range(runs):
+        cells = {kind: {str(c): {name: tps[kind][c][name][r] for name, _ in configs} for c in levels} for kind in kinds}
+        per_run.append(target_checks(cells, {kind: hf_tps[kind][r] for kind in kinds}, levels, fixed))
+    paired = {kind: {name: _median_ratio([run[kind][name] for run in per_run]) for name in RATIOS}
+              for kind in kinds}
+    pairs = list(zip(useless.get(AUTO, []), useless.get(OFF, [])))
+    return {"runs": runs, "checks": paired,
+            "useless_draft_auto_vs_off": _median_ratio([a / o if o else None for a, o in pairs])}
+
+
+def _median_ratio(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
+def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ramp, args, errors) -> dict:
+    cells = {kind: {str(c): {name: _median(tps[kind][c][name]) for name, _ in configs} for c in levels} for kind in kinds}
+    lat = {kind: {str(c): {name: _median(p50[kind][c][name]) for name, _ in configs} for c in levels} for kind in kinds}
+    checks = target_checks(cells, {kind: _median(hf_tps[kind]) for kind in kinds}, levels, fixed)
     return {
         "tokens_per_s": cells, "itl_ms_p50": lat,
         "auto_mean_k": {kind: {str(c): _median(mean_k[kind][c]) for c in levels} for kind in kinds},
         "transformers_target_only_tokens_per_s": {kind: _median(v) for kind, v in hf_tps.items()},
         "useless_draft_c1_tokens_per_s": {n: _median(v) for n, v in useless.items()},
         "useless_draft_auto_vs_off": round(_median(useless[AUTO]) / _median(useless[OFF]), 3) if useless.get(OFF) else None,
-        "checks": checks, "ramp": ramp, "errors": errors,
+        "checks": checks,
+        "paired": paired_checks(kinds, levels, fixed, configs, tps, hf_tps, useless),
+        "ramp": ramp, "errors": errors,
         "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "method": args.method,
                      "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline,
                      "window_seconds": args.window_seconds, "stagger_seconds": args.stagger_seconds,
                      "cell_requests": args.cell_requests, "cell_parts": args.cell_parts,
-                     "c1_passes": args.c1_passes},
+                     "c1_passes": args.c1_passes, "first_run": getattr(args, "first_run", 0)},
     }
 
 
@@ -405,7 +449,8 @@ def merge_reports(reports: list[dict]) -> dict:
             hf[kind].append(report["transformers_target_only_tokens_per_s"][kind])
         for name, value in report["useless_draft_c1_tokens_per_s"].items():
             useless[name].append(value)
-    args = argparse.Namespace(**dict(first["settings"], runs=len(reports)))
+    args = argparse.Namespace(**dict(first["settings"], runs=len(reports),
+                                     first_run=[r["settings"].get("first_run", 0) for r in reports]))
     fixed = [int(k) for k in first["settings"]["fixed_k"]]
     return _report(kinds, levels, fixed, [(name, "") for name in names], tps, p50, mean_k, hf, useless,
                    reports[-1]["ramp"], args, sum(r["errors"] for r in reports))
@@ -449,6 +494,16 @@ def render(report: dict) -> str:
                      f"{x(c['low_off_vs_transformers_target_only'])} | {x(c['low_auto_vs_transformers_target_only'])} | "
                      f"{x(c['low_auto_vs_best_fixed'])} ({c['low_best_fixed']}) | {x(c['high_auto_vs_off'])} | "
                      f"{x(c['high_auto_vs_best_fixed'])} ({c['high_best_fixed']}) |")
+    paired = report.get("paired") or {}
+    if paired.get("runs", 0) > 1:
+        lines += ["", f"Each run's own ratios (a configuration against the others measured beside it), median over "
+                      f"the {paired['runs']} runs:", "",
+                  f"| kind | {lo}: auto vs transformers | {lo}: auto vs best fixed k | {hi}: auto vs off | "
+                  f"{hi}: auto vs best fixed k |", "|---|---|---|---|---|"]
+        for kind, c in paired["checks"].items():
+            lines.append(f"| {kind} | {x(c['low_auto_vs_transformers_target_only'])} | {x(c['low_auto_vs_best_fixed'])} | "
+                         f"{x(c['high_auto_vs_off'])} | {x(c['high_auto_vs_best_fixed'])} |")
+        lines.append(f"Useless draft, auto vs off: {x(paired['useless_draft_auto_vs_off'])}")
     u = report["useless_draft_c1_tokens_per_s"]
     if u:
         lines += ["", "Useless draft (tiny random draft model, c1): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in u.items())

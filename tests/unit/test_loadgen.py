@@ -207,6 +207,24 @@ def _report_of(off: float, auto: float, useless_auto: float) -> dict:
                          "cell_parts": 2, "c1_passes": 3}}
 
 
+def test_merged_reports_also_give_each_runs_own_ratios_and_their_median() -> None:
+    """The paired figures: each run's auto over the configuration measured in that run, then
+    the median; here they differ from the medians' ratios (1.1 at 16 sessions)."""
+    reports = [_report_of(10.0, 18.0, 9.0), _report_of(30.0, 22.0, 11.0), _report_of(20.0, 30.0, 13.0)]
+    reports[1]["settings"]["first_run"] = 1
+    merged = merge_reports(reports)
+    paired = merged["paired"]
+    assert paired["runs"] == 3
+    assert paired["checks"]["chat"]["high_auto_vs_off"] == 1.5  # of 1.8, 0.733 and 1.5
+    assert paired["checks"]["chat"]["low_auto_vs_best_fixed"] == 1.1  # of 0.9, 1.1 and 1.5 (k = 4 at 20)
+    assert paired["checks"]["chat"]["low_auto_vs_transformers_target_only"] == 2.2
+    assert paired["useless_draft_auto_vs_off"] == 1.1
+    assert merged["settings"]["first_run"] == [0, 1, 0]
+    text = render(merged)
+    assert "median over the 3 runs" in text and "| chat | 2.20x | 1.10x | 1.50x | 1.10x |" in text
+    assert "median over the" not in render(merge_reports(reports[:1]))  # one run: no paired table
+
+
 def test_reports_made_apart_merge_to_their_medians_and_the_checks_are_made_on_those() -> None:
     merged = merge_reports([_report_of(10.0, 18.0, 9.0), _report_of(30.0, 22.0, 11.0), _report_of(20.0, 30.0, 13.0)])
     assert merged["tokens_per_s"]["chat"]["16"] == {"off": 20.0, "k4": 20.0, "auto": 22.0}
