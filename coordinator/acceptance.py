@@ -50,6 +50,9 @@ class AcceptanceEstimator:
         self.successes: list[float] = []
         self.trials: list[float] = []
         self.steps = 0
+        # trials recorded so far (a step or shadow that tried a position): what a decision made on
+        # this evidence is keyed on; the per-step decay leaves it alone
+        self.evidence = 0
         # per position, the most an unseen position may be assumed to accept (None: no cap)
         self.ceilings = ceilings
 
@@ -75,6 +78,8 @@ class AcceptanceEstimator:
         if len(self.trials) < tried:
             self.successes.extend([0.0] * (tried - len(self.trials)))
             self.trials.extend([0.0] * (tried - len(self.trials)))
+        if tried > first:
+            self.evidence += 1
         for i in range(first, tried):
             self.trials[i] += 1.0
             if i < num_accepted:

@@ -99,6 +99,11 @@ CHEAP_PROBE = 0.25
 # drafting on a fifth of its steps at 0.08 acceptance, 0.87x speculation off).
 ECHO_STREAK = 2
 ECHO_STREAK_MAX = 8
+# A session the policy keeps at k = 0 prices its depths again after this many steps at most, and
+# at once when its own evidence, its batch or its method's record of recent sessions changes
+# (`_settled_target`); in between, nothing it prices on has moved but the replica's costs and its
+# peers, which move over many passes.
+SETTLED_REUSE_STEPS = 4
 
 
 def probe_period(plain_ms: float, probe_ms: float, budget: float | None = None, least: int | None = None) -> int:
@@ -244,6 +249,11 @@ class DepthController:
         self.peers = peers if mode == "auto" else None
         self._peer = self.peers.join(estimator.alpha, self.fill.mean) if self.peers is not None else 0
         self._closed = False
+        # what the last full pricing at k = 0 was keyed on, and the steps it has stood for
+        # (`_settled_target`)
+        self._settled_key: tuple[int, int, int] | None = None
+        self._settled_age = 0
+        self.settled_reuse_steps = SETTLED_REUSE_STEPS
 
     # the policy, before hysteresis
 
@@ -468,9 +478,32 @@ class DepthController:
             self._memo[key] = compute()
         return self._memo[key]
 
+    def _settled_target(self, load: LoadSignal | None) -> int:
+        """`target(load)`, or 0 without pricing the depths again when the session sits at k = 0,
+        its last pricing said 0 (no switch pending), and what that pricing rested on is unchanged:
+        its own evidence (`AcceptanceEstimator.evidence`: no step or shadow has tried a position
+        since), its batch, its method's recent sessions; at least every `settled_reuse_steps`
+        steps it prices again. A session kept off by a code or completion prompt at 16 sessions
+        priced 17 depths at every step (`packed_rates`, a lower bound per position) to find 0
+        again: about 60 us a step in the controller alone, 16 times over between one pass and the
+        next, serialized by the coordinator's interpreter lock (scripts/bench_auto_step_cost.py).
+        Evidence still turns the session at the step it arrives; a switch that the replica's costs
+        or the peers alone bring (12 steps on the same side, or a 10 % better rate) comes at most
+        `settled_reuse_steps` - 1 steps later."""
+        settled = self.mode == "auto" and self.k == 0 and self._pending_side == 0
+        key = None
+        if settled:
+            key = (self.estimator.evidence, self._batch(load), self.shared.version if self.shared is not None else 0)
+            if key == self._settled_key and self._settled_age < self.settled_reuse_steps:
+                self._settled_age += 1
+                return 0
+        target = self.target(load)
+        self._settled_key, self._settled_age = (key, 1) if settled and target == 0 else (None, 0)
+        return target
+
     def _choose(self, load: LoadSignal | None, remaining: int | None) -> int:
         self._remaining = remaining
-        target = self.target(load)
+        target = self._settled_target(load)
         if self._probed:  # the step before was a probe: judge it
             self._probed = False
             self._interval = self.probe_interval if target > 0 else min(self._interval * 2, self.probe_max_interval)

@@ -1724,3 +1724,52 @@ def test_shadow_drafts_in_a_batch_reach_twice_as_deep_as_what_has_gone_through()
     assert session.shadow_depth() == K_MAX == 8
     session.observe(0, 0, 0.0, 60.0, 1, pass_positions=1, packed=True)
     assert session.shadow_depth() == K_MAX
+
+
+# a session kept at k = 0 -------------------------------------------------------------------
+
+
+def _packed_replica_at_16(reuse_steps: int) -> list[DepthController]:
+    """16 auto sessions on one replica whose packed passes of 16 rows cost 148 ms plus 2 ms a
+    drafted position, each pricing its depths again at least every `reuse_steps` steps at k = 0."""
+    cm = CostModel()
+    for extra in (0, 0, 16, 32, 48) * 4:
+        cm.observe_verify(16, 1 + extra // 16, 148.0 + 2 * extra, positions=16 + extra, packed=True)
+    shared, peers = shared_after_sessions([0.1] * 32), PassPeers()
+    sessions = [make_controller("auto", 16, cm, shared, peers) for _ in range(16)]
+    for session in sessions:
+        session.settled_reuse_steps = reuse_steps
+    return sessions
+
+
+def test_a_session_kept_off_prices_again_on_new_evidence_and_otherwise_every_few_steps() -> None:
+    """At 16 sessions whose prompts do not pay, a session at k = 0 reuses its last pricing while
+    nothing it rests on changes (`SETTLED_REUSE_STEPS`), and prices at once when its shadows bring
+    trials: from step 30 its output copies (shadows of 4 accepted whole) and it leaves k = 0 at the
+    same step, with the same depths after, as sessions that price every step."""
+    histories, pricings = [], []
+    for reuse in (1, controller_module.SETTLED_REUSE_STEPS):
+        sessions = _packed_replica_at_16(reuse)
+        watched = sessions[0]
+        priced = []
+        original = watched.target
+        watched.target = lambda load=None: priced.append(len(watched.history)) or original(load)  # type: ignore[method-assign]
+        for step in range(60):  # one packed pass a step, every session in it
+            depths = [session.choose() for session in sessions]
+            extra = sum(depths)
+            for i, (session, k) in enumerate(zip(sessions, depths)):
+                copying = i == 0 and step >= 30
+                shadow = (4, 4) if copying and k == 0 else None
+                session.observe(k, k if copying else 0, 1.0, 160.0 + 2 * extra, 16, compute_ms=148.0 + 2 * extra,
+                                requested=k, pass_positions=16 + extra, packed=True, pass_id=step + 1, shadow=shadow)
+        histories.append(watched.history)
+        pricings.append(priced)
+    every_step, reused = histories
+    assert reused == every_step
+    assert every_step[:30] == [0] * 30 and max(every_step[30:]) >= 2, every_step
+    # before the copy: the first step, then one pricing in SETTLED_REUSE_STEPS steps; from the step
+    # after its first shadow on, every step (new evidence, then a switch pending, then k > 0)
+    reuse = controller_module.SETTLED_REUSE_STEPS
+    assert [s for s in pricings[1] if s < 31] == [0] + list(range(1, 31, reuse)), pricings[1]
+    assert set(range(31, 60)) <= set(pricings[1]), pricings[1]
+    assert pricings[0] == list(range(60))
