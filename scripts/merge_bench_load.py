@@ -3,8 +3,11 @@
     PYTHONPATH=. python scripts/merge_bench_load.py OUT REPORT.json [REPORT.json ...]
 
 Each cell is the median over the reports, as `specd bench-load --runs N` takes it over its runs,
-and the checks against the issue's targets are made on those medians; the ramp (its plot of k
-over time) is the last report's (`coordinator.bench_load.merge_reports`). Writes
+and the checks against the issue's targets are made on those medians, and also on each report's
+own cells, then their median (`paired`: each run's ratios pair configurations measured side by
+side); the ramp (its plot of k over time) is the last report's
+(`coordinator.bench_load.merge_reports`). Reports made with different `--first-run` orders
+balance the order of the cells. Writes
 OUT/bench-load.{json,md} and the plots, and prints the markdown.
 """
 
