@@ -417,7 +417,7 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
                      "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline,
                      "window_seconds": args.window_seconds, "stagger_seconds": args.stagger_seconds,
                      "cell_requests": args.cell_requests, "cell_parts": args.cell_parts,
-                     "c1_passes": args.c1_passes, "first_run": getattr(args, "first_run", 0)},
+                     "c1_passes": args.c1_passes, "first_run": args.first_run},
     }
 
 
