@@ -268,6 +268,14 @@ class DepthController:
 
     def _rates(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None,
                fill: float | None = None) -> tuple[list[float], int]:
+        """`_compute_rates`, once per arguments within one choose(): a step whose policy differs
+        from its committed depth priced every depth twice, once for the target and once more for
+        the hysteresis' comparison (`_choose`), with nothing changed in between."""
+        return self._memoized(("rates", alpha, id(load), optimistic, fill),
+                              lambda: self._compute_rates(alpha, load, optimistic, fill))
+
+    def _compute_rates(self, alpha: float, load: LoadSignal | None, optimistic: float | None = None,
+                       fill: float | None = None) -> tuple[list[float], int]:
         """Expected tokens/ms per depth, and the pass's rows they assume; with `optimistic`,
         unproven peers count at least at it. Without it (the session's own estimate, not a what-if
         rate) this session's positions count at their own rates (`pass_rates`'s profile).

@@ -1773,3 +1773,34 @@ def test_a_session_kept_off_prices_again_on_new_evidence_and_otherwise_every_few
     assert [s for s in pricings[1] if s < 31] == [0] + list(range(1, 31, reuse)), pricings[1]
     assert set(range(31, 60)) <= set(pricings[1]), pricings[1]
     assert pricings[0] == list(range(60))
+
+
+def test_a_step_whose_target_differs_from_its_depth_prices_its_depths_once(monkeypatch) -> None:
+    """A session committed to k = 4 whose blocks stop going through: its policy turns to a smaller
+    depth and the hysteresis compares the two depths' rates. Both read one pricing of the step
+    (`_rates` memoized within a choose); the choices are those of pricing twice."""
+    def run(memo: bool) -> tuple[list[int], list[int]]:
+        session = DepthController(K_MAX, packed_cost_model(), peers=PassPeers())
+        session.observe(4, 4, 1.0, 160.0, 16, pass_positions=80, packed=True)
+        session._commit(4)
+        calls = []
+        compute = session._compute_rates
+
+        def counted(*args, **kwargs):
+            calls.append(len(session.history))
+            return compute(*args, **kwargs)
+
+        monkeypatch.setattr(session, "_compute_rates", counted)
+        if not memo:
+            monkeypatch.setattr(session, "_memoized", lambda key, fn: fn())
+        for _ in range(6):
+            k = session.choose()
+            session.observe(k, 0, 1.0, 160.0, 16, pass_positions=16 + k, packed=True)
+        return session.history, calls
+
+    history, calls = run(memo=True)
+    history_twice, calls_twice = run(memo=False)
+    assert history == history_twice, (history, history_twice)
+    pending = [step for step in range(6) if calls_twice.count(step) > 1]
+    assert pending, calls_twice  # some step compared the target's rate with its depth's
+    assert all(calls.count(step) == 1 for step in pending), calls
