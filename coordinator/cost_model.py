@@ -17,6 +17,12 @@ PRIOR_SPREAD = 0.25
 SETTLED = 3  # samples before a cell's mean is trusted beyond its own batch size
 # Cells closer than this in block length (positions a row) cannot tell a slope from noise (`_observed_line`)
 MIN_SPAN = 1.0
+# A cell's mean moves with the machine, not only with its own samples: identical passes differ by
+# about this share of their time from one minute to the next (docs/benchmarks.md: 10-20 % on the
+# 2-core machines), and a cell's many samples do not average that away (`slope_by_precision`).
+CELL_NOISE = 0.10
+# How far a chord slope may be off, as a share of it: its uncertainty as the fit's prior.
+CHORD_SD = 0.5
 # Draft cost cells follow fast: a draft call's wall time swings with what shares the cores (a
 # batched verify pass), and a session at k = 0 makes no draft calls, so samples are few and an
 # estimate inflated under load must not outlive the load.
@@ -46,6 +52,31 @@ def _fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float] |
     sxy = sum(wt * (x - mx) * (y - my) for x, y, wt in points)
     slope = max(sxy / sxx, 0.0)  # cost never falls with more tokens; noise can say otherwise
     return my - slope * (mx - 1.0), slope
+
+
+def slope_by_precision(fitted: float, chord: float, points: list[tuple[float, float, float]], noise_ms: float) -> float:
+    """A packed batch's slope: the cells' fitted slope and the chord from the plain pass
+    (`CostModel._chord_slope`), each weighted by its precision.
+
+    The fit's variance is that of a weighted least-squares slope over (block length, ms, weight)
+    cells whose means are each off by `noise_ms` whatever their sample counts:
+    noise^2 sum w^2 (n - mean)^2 / (sum w (n - mean)^2)^2. The chord's is (CHORD_SD chord)^2.
+    Cells a position or two a row apart, each off by a tenth of a 150 ms pass, cannot tell a
+    slope: fixed k = 4 at 16 code edits left cells 36-64 extra positions apart whose line priced a
+    position at 0.02 ms, and the auto sessions after it drafted blocks of 16 in passes of twice
+    fixed k = 4's time (docs/benchmarks.md, "A slope the cells cannot tell"). Spread over many
+    block lengths (auto's own mixed blocks), the cells outweigh the chord."""
+    total = sum(w for _, _, w in points)
+    if total <= 0 or chord <= 0:
+        return fitted
+    mean_n = sum(n * w for n, _, w in points) / total
+    sxx = sum(w * (n - mean_n) ** 2 for n, _, w in points)
+    sww = sum(w * w * (n - mean_n) ** 2 for n, _, w in points)
+    if sxx <= 0 or noise_ms <= 0:
+        return chord if sxx <= 0 else fitted
+    fit_precision = sxx * sxx / (noise_ms * noise_ms * sww)
+    chord_precision = 1.0 / (CHORD_SD * chord) ** 2
+    return (fit_precision * fitted + chord_precision * chord) / (fit_precision + chord_precision)
 
 
 class CostModel:
@@ -239,7 +270,10 @@ class CostModel:
         positions a row or more, the line goes through those alone: packed passes at 16 rows
         bring a new total of positions almost every pass, and a cell of one slow pass at the edge
         of the range pulled the slope to twice what the settled cells said. Cells that span less
-        have no slope of their own: the prior's then (`_chord_slope` for a packed batch)."""
+        have no slope of their own: the prior's then (`_chord_slope` for a packed batch). Where a
+        packed batch has a chord, a fitted slope is weighed against it by what each can tell
+        (`slope_by_precision`): cells that span a position or two a row, each off by the machine's
+        drift, tell little more than ones that span less."""
         cells = self._verify[b]
         if any(e > 0 for e in cells):
             cells = {e: c for e, c in cells.items() if e > 0}
@@ -252,15 +286,20 @@ class CostModel:
         scale = sum(w * y / (c0 + m0 * (n - 1)) for n, y, w in points) / total if c0 > 0 else 1.0
         mean_n = sum(n * w for n, _, w in points) / total
         mean_y = sum(y * w for _, y, w in points) / total
-        prior_slope = self._chord_slope(b, mean_n, mean_y)
+        chord = prior_slope = self._chord_slope(b, mean_n, mean_y)
         if prior_slope is None:
             prior_slope = self._borrowed_slope(b)
         if prior_slope is None:
             prior_slope = m0 * scale
         fit = _fit_line(points) if _span(b, cells) >= MIN_SPAN else None
-        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
-        prior = self.prior_points * PRIOR_SPREAD ** 2
-        slope = prior_slope if fit is None else (spread * fit[1] + prior * prior_slope) / (spread + prior)
+        if fit is None:
+            slope = prior_slope
+        elif chord is not None and chord > 0:  # data on both sides: each by what it can tell
+            slope = slope_by_precision(fit[1], chord, points, CELL_NOISE * mean_y)
+        else:
+            spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
+            prior = self.prior_points * PRIOR_SPREAD ** 2
+            slope = (spread * fit[1] + prior * prior_slope) / (spread + prior)
         return mean_y - slope * (mean_n - 1.0), slope
 
     def _chord_slope(self, b: int, mean_n: float, mean_y: float) -> float | None:
