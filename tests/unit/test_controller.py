@@ -6,6 +6,7 @@ import logging
 import math
 import random
 from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -279,12 +280,9 @@ def test_a_pass_counts_once_and_one_slow_pass_does_not_tilt_the_line() -> None:
         (16, 20), (48, 10), (64, 10), (72, 1)]
 
 
-def test_cells_within_a_position_a_row_price_a_position_by_the_chord_from_the_plain_pass() -> None:
-    """Fixed k = 4 at 16 rows settles cells at 56-64 extra positions, half a position a row apart
-    at most, with a few ms of noise on passes of 150. The line through them alone priced a position at
-    0.06 ms on the AMD EPYC machine (its slope is the noise), and auto sessions after that cell
-    drafted blocks of 16. Such cells tell no slope: a position is priced by the chord from the
-    plain pass, jump and all, until passes spread over block lengths (auto's own) tell the slope."""
+def packed_passes_at_16() -> tuple[CostModel, Callable[[int, float], None]]:
+    """A cost model and `one_pass(extra, ms)`: one numbered packed pass of 16 rows with `extra`
+    draft positions, reported once."""
     cm = CostModel()
     number = 0
 
@@ -293,6 +291,16 @@ def test_cells_within_a_position_a_row_price_a_position_by_the_chord_from_the_pl
         number += 1
         cm.observe_verify(16, 1 + -(-extra // 16), ms, positions=16 + extra, packed=True, pass_id=number)
 
+    return cm, one_pass
+
+
+def test_cells_within_a_position_a_row_price_a_position_by_the_chord_from_the_plain_pass() -> None:
+    """Fixed k = 4 at 16 rows settles cells at 56-64 extra positions, half a position a row apart
+    at most, with a few ms of noise on passes of 150. The line through them alone priced a position at
+    0.06 ms on the AMD EPYC machine (its slope is the noise), and auto sessions after that cell
+    drafted blocks of 16. Such cells tell no slope: a position is priced by the chord from the
+    plain pass, jump and all, until passes spread over block lengths (auto's own) tell the slope."""
+    cm, one_pass = packed_passes_at_16()
     for _ in range(3):
         one_pass(0, 80.0)
     for _ in range(8):
@@ -315,14 +323,7 @@ def test_cells_a_position_or_two_a_row_apart_are_weighed_against_the_chord_by_th
     coordinator's log), and the auto sessions after that cell drafted blocks of 16 in passes of
     twice fixed k = 4's time. Each cell is off by the machine's drift, so the fit counts for what
     that spread can tell, and the chord from the plain pass carries the rest."""
-    cm = CostModel()
-    number = 0
-
-    def one_pass(extra: int, ms: float) -> None:
-        nonlocal number
-        number += 1
-        cm.observe_verify(16, 1 + -(-extra // 16), ms, positions=16 + extra, packed=True, pass_id=number)
-
+    cm, one_pass = packed_passes_at_16()
     for _ in range(3):
         one_pass(0, 98.0)
     extras = range(36, 65, 4)
