@@ -72,8 +72,10 @@ def slope_by_precision(fitted: float, chord: float, points: list[tuple[float, fl
     mean_n = sum(n * w for n, _, w in points) / total
     sxx = sum(w * (n - mean_n) ** 2 for n, _, w in points)
     sww = sum(w * w * (n - mean_n) ** 2 for n, _, w in points)
-    if sxx <= 0 or noise_ms <= 0:
-        return chord if sxx <= 0 else fitted
+    if sxx <= 0:  # one block length: no slope of their own
+        return chord
+    if noise_ms <= 0:
+        return fitted
     fit_precision = sxx * sxx / (noise_ms * noise_ms * sww)
     chord_precision = 1.0 / (CHORD_SD * chord) ** 2
     return (fit_precision * fitted + chord_precision * chord) / (fit_precision + chord_precision)

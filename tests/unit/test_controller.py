@@ -280,7 +280,7 @@ def test_a_pass_counts_once_and_one_slow_pass_does_not_tilt_the_line() -> None:
         (16, 20), (48, 10), (64, 10), (72, 1)]
 
 
-def packed_passes_at_16() -> tuple[CostModel, Callable[[int, float], None]]:
+def packed_pass_recorder_at_16() -> tuple[CostModel, Callable[[int, float], None]]:
     """A cost model and `one_pass(extra, ms)`: one numbered packed pass of 16 rows with `extra`
     draft positions, reported once."""
     cm = CostModel()
@@ -300,7 +300,7 @@ def test_cells_within_a_position_a_row_price_a_position_by_the_chord_from_the_pl
     0.06 ms on the AMD EPYC machine (its slope is the noise), and auto sessions after that cell
     drafted blocks of 16. Such cells tell no slope: a position is priced by the chord from the
     plain pass, jump and all, until passes spread over block lengths (auto's own) tell the slope."""
-    cm, one_pass = packed_passes_at_16()
+    cm, one_pass = packed_pass_recorder_at_16()
     for _ in range(3):
         one_pass(0, 80.0)
     for _ in range(8):
@@ -323,7 +323,7 @@ def test_cells_a_position_or_two_a_row_apart_are_weighed_against_the_chord_by_th
     coordinator's log), and the auto sessions after that cell drafted blocks of 16 in passes of
     twice fixed k = 4's time. Each cell is off by the machine's drift, so the fit counts for what
     that spread can tell, and the chord from the plain pass carries the rest."""
-    cm, one_pass = packed_passes_at_16()
+    cm, one_pass = packed_pass_recorder_at_16()
     for _ in range(3):
         one_pass(0, 98.0)
     extras = range(36, 65, 4)
