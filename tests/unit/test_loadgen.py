@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.bench_load import (best_fixed, cell_order, cell_requests, cell_window, interleaved, merge_reports,
-                                   render, split_requests, summarize_parts, useless_draft_cells)
+from coordinator.bench_load import (best_fixed, cell_order, cell_requests, cell_window, held_out_choices, interleaved,
+                                   merge_reports, render, split_requests, summarize_parts, useless_draft_cells)
 from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
 
@@ -223,6 +223,30 @@ def test_merged_reports_also_give_each_runs_own_ratios_and_their_median() -> Non
     text = render(merged)
     assert "median over the 3 runs" in text and "| chat | 2.20x | 1.10x | 1.50x | 1.10x |" in text
     assert "median over the" not in render(merge_reports(reports[:1]))  # one run: no paired table
+
+
+def test_each_runs_fixed_k_is_chosen_on_the_other_runs() -> None:
+    assert held_out_choices({"k2": [20.0, 23.0, 17.0], "k4": [21.0, 19.0, 22.0]}) == ["k4", "k4", "k2"]
+    assert held_out_choices({"k2": [20.0, 30.0], "k4": [25.0, 21.0]}) == ["k2", "k4"]
+
+
+def test_auto_is_also_set_against_the_fixed_k_picked_on_the_other_runs() -> None:
+    """Fixed k = 2 and 4 trade places from run to run: each run's own best is the high one of
+    the two, and auto reads 0.91x it; against the k the other runs pick, 1.05x."""
+    reports = []
+    for k2, k4 in ((20.0, 21.0), (23.0, 19.0), (17.0, 22.0)):
+        report = _report_of(20.0, 20.0, 10.0)
+        for cell in report["tokens_per_s"]["chat"].values():
+            cell.update(k2=k2, k4=k4, auto=20.0)
+        report["itl_ms_p50"]["chat"] = {c: {n: 40.0 for n in ("off", "k2", "k4", "auto")} for c in ("1", "16")}
+        report["settings"]["fixed_k"] = [2, 4]
+        reports.append(report)
+    checks = merge_reports(reports)["paired"]["checks"]["chat"]
+    assert checks["high_auto_vs_best_fixed"] == 0.909  # of 0.952, 0.870, 0.909
+    assert checks["high_auto_vs_held_out_fixed"] == 1.053  # of 20/21, 20/19, 20/17
+    assert checks["high_held_out_fixed"] == checks["low_held_out_fixed"] == ["k4", "k4", "k2"]
+    assert "| chat | 1.05x (k4, k4, k2) | 1.05x (k4, k4, k2) |" in render(merge_reports(reports))
+    assert "held-out" not in render(merge_reports(reports[:1]))  # one run: nothing to choose on
 
 
 def test_reports_made_apart_merge_to_their_medians_and_the_checks_are_made_on_those() -> None:
