@@ -541,7 +541,7 @@ def render(report: dict) -> str:
             for kind, c in paired["checks"].items():
                 lines.append(f"| {kind} | {x(c.get('low_auto_vs_held_out_fixed'))} ({', '.join(c.get('low_held_out_fixed', []))}) | "
                              f"{x(c.get('high_auto_vs_held_out_fixed'))} ({', '.join(c.get('high_held_out_fixed', []))}) |")
-        lines.append(f"Useless draft, auto vs off: {x(paired['useless_draft_auto_vs_off'])}")
+        lines += ["", f"Useless draft, auto vs off: {x(paired['useless_draft_auto_vs_off'])}"]  # not a table row
     u = report["useless_draft_c1_tokens_per_s"]
     if u:
         lines += ["", "Useless draft (tiny random draft model, c1): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in u.items())
