@@ -97,12 +97,11 @@ def held_out_choices(runs: dict[str, list[float]]) -> list[str]:
     percent of one another, each swinging 5 % from cell to cell, read about 4 % above any one of
     them as their maximum. Chosen on the other runs and measured on this one, the choice is as
     noisy as the auto cell it is set against (cross-validation, leave one run out)."""
-    names = list(runs)
     count = min(len(v) for v in runs.values())
     picks = []
     for r in range(count):
         others = {n: statistics.median(v[:r] + v[r + 1:count]) for n, v in runs.items()}
-        picks.append(max(names, key=lambda n: others[n]))
+        picks.append(max(others, key=others.__getitem__))
     return picks
 
 
@@ -533,14 +532,13 @@ def render(report: dict) -> str:
         for kind, c in paired["checks"].items():
             lines.append(f"| {kind} | {x(c['low_auto_vs_transformers_target_only'])} | {x(c['low_auto_vs_best_fixed'])} | "
                          f"{x(c['high_auto_vs_off'])} | {x(c['high_auto_vs_best_fixed'])} |")
-        if any("low_auto_vs_held_out_fixed" in c for c in paired["checks"].values()):
-            lines += ["", "Auto against the fixed k an operator would have picked from the other runs (each run's k chosen "
-                          "on the medians of the rest, `held_out_choices`: a best of noisy cells chosen on the cells it "
-                          "is then measured on reads high by their noise), median over the runs:", "",
-                      f"| kind | {lo}: auto vs held-out best fixed k | {hi}: auto vs held-out best fixed k |", "|---|---|---|"]
-            for kind, c in paired["checks"].items():
-                lines.append(f"| {kind} | {x(c.get('low_auto_vs_held_out_fixed'))} ({', '.join(c.get('low_held_out_fixed', []))}) | "
-                             f"{x(c.get('high_auto_vs_held_out_fixed'))} ({', '.join(c.get('high_held_out_fixed', []))}) |")
+        lines += ["", "Auto against the fixed k an operator would have picked from the other runs (each run's k chosen "
+                      "on the medians of the rest, `held_out_choices`: a best of noisy cells chosen on the cells it "
+                      "is then measured on reads high by their noise), median over the runs:", "",
+                  f"| kind | {lo}: auto vs held-out best fixed k | {hi}: auto vs held-out best fixed k |", "|---|---|---|"]
+        for kind, c in paired["checks"].items():
+            lines.append(f"| {kind} | {x(c['low_auto_vs_held_out_fixed'])} ({', '.join(c['low_held_out_fixed'])}) | "
+                         f"{x(c['high_auto_vs_held_out_fixed'])} ({', '.join(c['high_held_out_fixed'])}) |")
         lines += ["", f"Useless draft, auto vs off: {x(paired['useless_draft_auto_vs_off'])}"]  # not a table row
     u = report["useless_draft_c1_tokens_per_s"]
     if u:
