@@ -39,6 +39,7 @@ from coordinator.depth_math import (MIXTURE_TRIALS, Costs, LoadSignal, _argbest,
                                     mixture_tokens, packed_rates, pass_alphas, pass_rates, pass_sessions)
 from coordinator.pass_peers import PassPeers
 from coordinator.running_mean import RunningMean
+from coordinator.step_reuse import StepReuse
 
 log = logging.getLogger(__name__)
 
@@ -249,10 +250,12 @@ class DepthController:
         self.peers = peers if mode == "auto" else None
         self._peer = self.peers.join(estimator.alpha, self.fill.mean) if self.peers is not None else 0
         self._closed = False
-        # what the last full pricing at k = 0 was keyed on, and the steps it has stood for
-        # (`_settled_target`)
-        self._settled_key: tuple[int, int, int] | None = None
-        self._settled_age = 0
+        # answers at k = 0 kept for a few steps while what they rest on is unchanged
+        # (coordinator/step_reuse.py): the last pricing (`_settled_target`), a probe step's
+        # pricing that wanted no probe (`_probe_wanted`), the gated probes' interval (`_gated_due`)
+        self._settled = StepReuse[int]()
+        self._unwanted_probe = StepReuse[int]()
+        self._gated = StepReuse[int]()
         self.settled_reuse_steps = SETTLED_REUSE_STEPS
 
     # the policy, before hysteresis
@@ -499,15 +502,13 @@ class DepthController:
         or the peers alone bring (12 steps on the same side, or a 10 % better rate) comes at most
         `settled_reuse_steps` - 1 steps later."""
         settled = self.mode == "auto" and self.k == 0 and self._pending_side == 0
-        key = None
-        if settled:
-            key = (self.estimator.evidence, self._batch(load), self.shared.version if self.shared is not None else 0)
-            if key == self._settled_key and self._settled_age < self.settled_reuse_steps:
-                self._settled_age += 1
-                return 0
-        target = self.target(load)
-        self._settled_key, self._settled_age = (key, 1) if settled and target == 0 else (None, 0)
-        return target
+        return self._settled.get(self._evidence_key(load) if settled else None, lambda: self.target(load),
+                                 self.settled_reuse_steps, keep=lambda target: target == 0)
+
+    def _evidence_key(self, load: LoadSignal | None) -> tuple[int, int, int]:
+        """What a k = 0 session's pricing rests on besides the replica's costs and its peers: its
+        own evidence (`AcceptanceEstimator.evidence`), its batch, its method's recent sessions."""
+        return self.estimator.evidence, self._batch(load), self.shared.version if self.shared is not None else 0
 
     def _choose(self, load: LoadSignal | None, remaining: int | None) -> int:
         self._remaining = remaining
@@ -547,7 +548,7 @@ class DepthController:
             # prompts, fill 0.2 from them, echoing 24 steps in a row, priced its probe at a fifth).
             echoed = self._echo_streak >= self._echo_needed
             due = self._probe_due(unproven, load)
-            wanted = self._policy(optimistic, load, optimistic, 1.0 if echoed else None) if due else 0
+            wanted = self._probe_wanted(due, echoed, optimistic, load) if due else 0
             if wanted > 0:
                 depth = self._probe_depth(load, wanted if echoed else 0)
                 if depth > 0:
@@ -560,6 +561,16 @@ class DepthController:
                       f", {due} probe" if self._probed else "")
         self.history.append(k)
         return k
+
+    def _probe_wanted(self, due: str, echoed: bool, optimistic: float, load: LoadSignal | None) -> int:
+        """The depth a probe at this step would want (0: none pays), priced at `optimistic`. A
+        probe step that wanted none and, in a batch, found no probe slot stays due at the steps
+        after; while its evidence, batch and method's sessions are unchanged it keeps that answer
+        for up to `settled_reuse_steps` steps (at 16 sessions kept off, the probe pricing ran at a
+        third of all steps, about 25 us each). Echoes are new evidence at every step: priced."""
+        key = None if echoed else (due, *self._evidence_key(load))
+        return self._unwanted_probe.get(key, lambda: self._policy(optimistic, load, optimistic, 1.0 if echoed else None),
+                                        self.settled_reuse_steps, keep=lambda wanted: wanted == 0)
 
     def _probe_depth(self, load: LoadSignal | None, echoed: int = 0) -> int:
         """The depth of a probe this step, 0 for none yet. Alone, `probe_k`, or after echoes
@@ -621,8 +632,12 @@ class DepthController:
         return "gated" if self._gated_due(load) else ""
 
     def _gated_due(self, load: LoadSignal | None) -> bool:
-        # the gated interval is at least `probe_interval`: below it, no cost lookups on this step
-        return self._idle_steps >= self.probe_interval and self._idle_steps >= self._gated_interval(load)
+        # the gated interval is at least `probe_interval`: below it, no cost lookups on this step;
+        # past it the interval is asked at every step until the probe, and kept for a few
+        if self._idle_steps < self.probe_interval:
+            return False
+        interval = self._gated.get(self._batch(load), lambda: self._gated_interval(load), self.settled_reuse_steps)
+        return self._idle_steps >= interval
 
     def _probe_extra_cost(self, load: LoadSignal | None) -> float:
         """What a probe step costs over a plain one, as a share of the plain one: alone with an

@@ -40,6 +40,7 @@ from coordinator.controller import (
 from coordinator.cost_model import slope_by_precision
 from coordinator.echo import EchoLookup, ShadowDraft, echo_guess, echo_hit
 from coordinator.running_mean import RunningMean
+from coordinator.step_reuse import StepReuse
 from draft_service.proposers.ngram import NgramProposer
 from specd.sampling import SamplingParams
 
@@ -1808,6 +1809,67 @@ def test_a_session_kept_off_prices_again_on_new_evidence_and_otherwise_every_few
     assert [s for s in pricings[1] if s < 31] == [0] + list(range(1, 31, reuse)), pricings[1]
     assert set(range(31, 60)) <= set(pricings[1]), pricings[1]
     assert pricings[0] == list(range(60))
+
+
+def test_a_gated_probe_that_no_depth_would_pay_for_is_priced_every_few_steps_not_every_step() -> None:
+    """16 echoing sessions at k = 0 whose method's recent prompts accepted 0.1-0.4 at fill 0.5 and
+    whose own lookups find nothing to draft (a completion at 16 sessions): past the gated interval
+    a probe is due at every step, and at the probe's optimistic acceptance, at their fill, no depth
+    pays. A session that reuses that answer (`_probe_wanted`) prices it again
+    at most every `SETTLED_REUSE_STEPS` steps while nothing it rests on changes, and chooses
+    exactly what a session that prices every step chooses."""
+    reuse = controller_module.SETTLED_REUSE_STEPS
+    histories, pricings = [], []
+    for steps in (1, reuse):
+        cm = CostModel()
+        for extra in (0, 16, 32, 48) * 4:
+            cm.observe_verify(16, 1 + extra // 16, 148.0 + 2 * extra, positions=16 + extra, packed=True)
+        shared, peers = shared_after_sessions([0.1 + 0.3 * i / 31 for i in range(32)], fill=0.5), PassPeers()
+        sessions = [make_controller("auto", 8, cm, shared, peers) for _ in range(16)]
+        for session in sessions:
+            session.echoes, session.settled_reuse_steps = True, steps
+        watched, priced = sessions[0], []
+        policy = watched._policy
+
+        def counted(alpha, load, optimistic=None, fill=None):
+            if optimistic is not None:  # a probe's what-if, not the session's own pricing
+                priced.append(len(watched.history))
+            return policy(alpha, load, optimistic, fill)
+
+        watched._policy = counted  # type: ignore[method-assign]
+        for step in range(160):  # one packed pass a step, every session in it
+            depths = [session.choose(remaining=100) for session in sessions]
+            for session, k in zip(sessions, depths):
+                session.observe_shadow_fill(0, session.shadow_depth())  # the lookup finds no match to draft
+                session.observe(k, 0, 1.0, 150.0, 16, compute_ms=140.0, requested=k, pass_positions=16 + sum(depths),
+                                packed=True, pass_id=step + 1)
+        histories.append(watched.history)
+        pricings.append(priced)
+    every_step, reused = histories
+    assert reused == every_step == [0] * 160
+    assert len(pricings[0]) >= 40, pricings[0]  # due from the gated interval (93 steps) on, priced at each
+    gaps = [b - a for a, b in zip(pricings[1], pricings[1][1:])]
+    assert gaps and min(gaps) == reuse == max(gaps), pricings[1]
+
+
+def test_step_reuse_keeps_an_answer_for_its_key_a_few_steps() -> None:
+    computed = []
+
+    def compute() -> int:
+        computed.append(1)
+        return 0
+
+    reuse = StepReuse[int]()
+    for _ in range(8):
+        reuse.get("same", compute, steps=3)
+    assert len(computed) == 3  # steps 0, 3 and 6
+    reuse.get("other", compute, steps=3)
+    reuse.get(None, compute, steps=3)
+    reuse.get(None, compute, steps=3)
+    assert len(computed) == 6  # a new key, and no key, compute at once
+    reuse.get("kept?", lambda: 5, steps=3, keep=lambda value: value == 0)
+    reuse.get("kept?", compute, steps=3)
+    assert len(computed) == 7  # an answer `keep` refuses is not reused
 
 
 def test_a_step_whose_target_differs_from_its_depth_prices_its_depths_once(monkeypatch) -> None:
