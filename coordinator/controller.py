@@ -569,8 +569,8 @@ class DepthController:
         for up to `settled_reuse_steps` steps (at 16 sessions kept off, the probe pricing ran at a
         third of all steps, about 25 us each). Echoes are new evidence at every step: priced."""
         key = None if echoed else (due, *self._evidence_key(load))
-        return self._unwanted_probe.get(key, lambda: self._policy(optimistic, load, optimistic, 1.0 if echoed else None),
-                                        self.settled_reuse_steps, keep=lambda wanted: wanted == 0)
+        price = lambda: self._policy(optimistic, load, optimistic, 1.0 if echoed else None)  # noqa: E731
+        return self._unwanted_probe.get(key, price, self.settled_reuse_steps, keep=lambda wanted: wanted == 0)
 
     def _probe_depth(self, load: LoadSignal | None, echoed: int = 0) -> int:
         """The depth of a probe this step, 0 for none yet. Alone, `probe_k`, or after echoes

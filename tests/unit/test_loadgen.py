@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.bench_load import (best_fixed, cell_order, cell_requests, cell_window, held_out_choices, interleaved,
+                                   target_tally,
                                    merge_reports, render, split_requests, summarize_parts, useless_draft_cells)
 from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
@@ -260,3 +261,31 @@ def test_reports_made_apart_merge_to_their_medians_and_the_checks_are_made_on_th
     other["settings"]["concurrency"] = [1, 8]
     with pytest.raises(ValueError, match="concurrency"):
         merge_reports([_report_of(10.0, 18.0, 9.0), other])
+
+
+def test_the_targets_are_tallied_kind_by_kind_with_the_misses_ratios() -> None:
+    """0.998x the best fixed k prints 1.00x in the tables and misses "at least the best fixed k":
+    the tally says so, to three digits."""
+    checks = {
+        "chat": {"low_auto_vs_best_fixed": 0.97, "high_auto_vs_off": 1.0, "high_auto_vs_best_fixed": 1.16,
+                 "low_auto_vs_transformers_target_only": 1.3},
+        "code_edit": {"low_auto_vs_best_fixed": 0.949, "high_auto_vs_off": 0.97, "high_auto_vs_best_fixed": 0.998,
+                      "low_auto_vs_transformers_target_only": 1.95},
+    }
+    assert target_tally(checks, 0.954, "c1", "c16") == [
+        "c1: auto >= 0.95x the best fixed k: 1 of 2 kinds (not code_edit 0.949x)",
+        "c16: auto >= 0.97x speculation off: 2 of 2 kinds",
+        "c16: auto >= the best fixed k: 1 of 2 kinds (not code_edit 0.998x)",
+        "c1: code_edit, auto >= 2x transformers' target-only: 1.950x (not met)",
+        "useless draft: auto >= 0.95x speculation off: 0.954x",
+    ]
+    assert target_tally({"chat": checks["chat"]}, None, "c1", "c8")[2] == "c8: auto >= the best fixed k: 1 of 1 kinds"
+
+
+def test_the_report_tallies_the_targets_on_the_medians_and_on_each_runs_ratios() -> None:
+    reports = [_report_of(10.0, 18.0, 9.0), _report_of(30.0, 22.0, 11.0), _report_of(20.0, 30.0, 13.0)]
+    text = render(merge_reports(reports))
+    assert "Against the issue's targets, on these ratios:" in text
+    assert "- c16: auto >= 0.97x speculation off: 1 of 1 kinds" in text  # 22 / 20
+    assert "Against the issue's targets, on each run's own ratios (their medians):" in text
+    assert "- c1: auto >= 0.95x the best fixed k: 1 of 1 kinds" in text
