@@ -552,8 +552,10 @@ def render(report: dict) -> str:
 
     for kind, c in report["checks"].items():
         lines.append(f"| {kind} | {report['transformers_target_only_tokens_per_s'][kind]:.1f} | "
-                     f"{ratio_text(c['low_off_vs_transformers_target_only'])} | {ratio_text(c['low_auto_vs_transformers_target_only'])} | "
-                     f"{ratio_text(c['low_auto_vs_best_fixed'])} ({c['low_best_fixed']}) | {ratio_text(c['high_auto_vs_off'])} | "
+                     f"{ratio_text(c['low_off_vs_transformers_target_only'])} | "
+                     f"{ratio_text(c['low_auto_vs_transformers_target_only'])} | "
+                     f"{ratio_text(c['low_auto_vs_best_fixed'])} ({c['low_best_fixed']}) | "
+                     f"{ratio_text(c['high_auto_vs_off'])} | "
                      f"{ratio_text(c['high_auto_vs_best_fixed'])} ({c['high_best_fixed']}) |")
     lines += ["", "Against the issue's targets, on these ratios:", ""]
     lines += [f"- {line}" for line in target_tally(report["checks"], report.get("useless_draft_auto_vs_off"), lo, hi)]
@@ -564,15 +566,17 @@ def render(report: dict) -> str:
                   f"| kind | {lo}: auto vs transformers | {lo}: auto vs best fixed k | {hi}: auto vs off | "
                   f"{hi}: auto vs best fixed k |", "|---|---|---|---|---|"]
         for kind, c in paired["checks"].items():
-            lines.append(f"| {kind} | {ratio_text(c['low_auto_vs_transformers_target_only'])} | {ratio_text(c['low_auto_vs_best_fixed'])} | "
-                         f"{ratio_text(c['high_auto_vs_off'])} | {ratio_text(c['high_auto_vs_best_fixed'])} |")
+            lines.append(f"| {kind} | {ratio_text(c['low_auto_vs_transformers_target_only'])} | "
+                         f"{ratio_text(c['low_auto_vs_best_fixed'])} | {ratio_text(c['high_auto_vs_off'])} | "
+                         f"{ratio_text(c['high_auto_vs_best_fixed'])} |")
         lines += ["", "Auto against the fixed k an operator would have picked from the other runs (each run's k chosen "
                       "on the medians of the rest, `held_out_choices`: a best of noisy cells chosen on the cells it "
                       "is then measured on reads high by their noise), median over the runs:", "",
                   f"| kind | {lo}: auto vs held-out best fixed k | {hi}: auto vs held-out best fixed k |", "|---|---|---|"]
         for kind, c in paired["checks"].items():
-            lines.append(f"| {kind} | {ratio_text(c['low_auto_vs_held_out_fixed'])} ({', '.join(c['low_held_out_fixed'])}) | "
-                         f"{ratio_text(c['high_auto_vs_held_out_fixed'])} ({', '.join(c['high_held_out_fixed'])}) |")
+            lines.append(f"| {kind} | {ratio_text(c['low_auto_vs_held_out_fixed'])} "
+                         f"({', '.join(c['low_held_out_fixed'])}) | {ratio_text(c['high_auto_vs_held_out_fixed'])} "
+                         f"({', '.join(c['high_held_out_fixed'])}) |")
         lines += ["", f"Useless draft, auto vs off: {ratio_text(paired['useless_draft_auto_vs_off'])}"]  # not a table row
         lines += ["", "Against the issue's targets, on each run's own ratios (their medians):", ""]
         lines += [f"- {line}" for line in target_tally(paired["checks"], paired["useless_draft_auto_vs_off"], lo, hi)]
