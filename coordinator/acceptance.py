@@ -50,9 +50,11 @@ class AcceptanceEstimator:
         self.successes: list[float] = []
         self.trials: list[float] = []
         self.steps = 0
-        # trials recorded so far (a step or shadow that tried a position): what a decision made on
-        # this evidence is keyed on; the per-step decay leaves it alone
+        # trials recorded so far (a step or shadow that tried a position), and those of them that
+        # accepted a position: what a decision made on this evidence is keyed on (a k = 0
+        # session's, on the second: `DepthController._evidence_key`); the per-step decay leaves both alone
         self.evidence = 0
+        self.accepting_evidence = 0
         # per position, the most an unseen position may be assumed to accept (None: no cap)
         self.ceilings = ceilings
 
@@ -80,6 +82,8 @@ class AcceptanceEstimator:
             self.trials.extend([0.0] * (tried - len(self.trials)))
         if tried > first:
             self.evidence += 1
+            if num_accepted > first:
+                self.accepting_evidence += 1
         for i in range(first, tried):
             self.trials[i] += 1.0
             if i < num_accepted:

@@ -101,10 +101,12 @@ CHEAP_PROBE = 0.25
 ECHO_STREAK = 2
 ECHO_STREAK_MAX = 8
 # A session the policy keeps at k = 0 prices its depths again after this many steps at most, and
-# at once when its own evidence, its batch or its method's record of recent sessions changes
-# (`_settled_target`); in between, nothing it prices on has moved but the replica's costs and its
-# peers, which move over many passes.
-SETTLED_REUSE_STEPS = 4
+# at once when its own evidence of acceptance, its batch or its method's record of recent sessions
+# changes (`_settled_target`); in between, nothing it prices on has moved but the replica's costs
+# and its peers, which move over many passes, and a switch they alone bring waits for 12 steps on
+# the same side anyway (`switch_after`). At 4, a completion at 16 sessions priced at two steps in
+# five, 80 us each in the live coordinator, whose time per step the target's pass waits for.
+SETTLED_REUSE_STEPS = 8
 
 
 def probe_period(plain_ms: float, probe_ms: float, budget: float | None = None, least: int | None = None) -> int:
@@ -492,23 +494,31 @@ class DepthController:
     def _settled_target(self, load: LoadSignal | None) -> int:
         """`target(load)`, or 0 without pricing the depths again when the session sits at k = 0,
         its last pricing said 0 (no switch pending), and what that pricing rested on is unchanged:
-        its own evidence (`AcceptanceEstimator.evidence`: no step or shadow has tried a position
-        since), its batch, its method's recent sessions; at least every `settled_reuse_steps`
+        its own evidence (`_evidence_key`: no step or shadow has accepted a position since), its
+        batch, its method's recent sessions; at least every `settled_reuse_steps`
         steps it prices again. A session kept off by a code or completion prompt at 16 sessions
         priced 17 depths at every step (`packed_rates`, a lower bound per position) to find 0
         again: about 60 us a step in the controller alone, 16 times over between one pass and the
         next, serialized by the coordinator's interpreter lock (scripts/bench_auto_step_cost.py).
-        Evidence still turns the session at the step it arrives; a switch that the replica's costs
-        or the peers alone bring (12 steps on the same side, or a 10 % better rate) comes at most
-        `settled_reuse_steps` - 1 steps later."""
+        Evidence that accepts still turns the session at the step it arrives; a switch that the
+        replica's costs or the peers alone bring (12 steps on the same side, or a 10 % better
+        rate) comes at most `settled_reuse_steps` - 1 steps later."""
         settled = self.mode == "auto" and self.k == 0 and self._pending_side == 0
         return self._settled.get(self._evidence_key(load) if settled else None, lambda: self.target(load),
                                  self.settled_reuse_steps, keep=lambda target: target == 0)
 
     def _evidence_key(self, load: LoadSignal | None) -> tuple[int, int, int]:
         """What a k = 0 session's pricing rests on besides the replica's costs and its peers: its
-        own evidence (`AcceptanceEstimator.evidence`), its batch, its method's recent sessions."""
-        return self.estimator.evidence, self._batch(load), self.shared.version if self.shared is not None else 0
+        own evidence that accepted a position (`AcceptanceEstimator.accepting_evidence`), its
+        batch, its method's recent sessions.
+
+        Evidence that accepted nothing is left out: a failed trial lowers the rates it prices
+        every depth on, and a pricing that said 0 says 0 again on lower rates (it is still priced
+        within `settled_reuse_steps` steps). A completion at 16 sessions, its shadows judged at
+        half its steps and failing, priced its depths again at every such step: at 45 % of its
+        k = 0 steps, about 60 us each live (the coordinator's time per step, at 16 sessions)."""
+        return (self.estimator.accepting_evidence, self._batch(load),
+                self.shared.version if self.shared is not None else 0)
 
     def _choose(self, load: LoadSignal | None, remaining: int | None) -> int:
         self._remaining = remaining

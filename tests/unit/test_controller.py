@@ -1811,6 +1811,39 @@ def test_a_session_kept_off_prices_again_on_new_evidence_and_otherwise_every_few
     assert pricings[0] == list(range(60))
 
 
+def test_failed_shadows_do_not_make_a_session_kept_off_price_again_and_accepted_ones_do() -> None:
+    """A session at k = 0 whose shadows fail at every step (a completion whose lookups keep
+    finding spans the output does not take) reuses its pricing for SETTLED_REUSE_STEPS steps
+    all the same: a failed trial only lowers the rates its depths are priced on. From step 30
+    its shadows go through whole, and it prices at once and leaves k = 0 at the same step, with
+    the same depths after, as a session that prices every step."""
+    histories, pricings = [], []
+    for reuse in (1, controller_module.SETTLED_REUSE_STEPS):
+        sessions = _packed_replica_at_16(reuse)
+        watched, priced = sessions[0], []
+        original = watched.target
+        watched.target = lambda load=None: priced.append(len(watched.history)) or original(load)  # type: ignore[method-assign]
+        for step in range(60):
+            depths = [session.choose() for session in sessions]
+            extra = sum(depths)
+            for i, (session, k) in enumerate(zip(sessions, depths)):
+                shadow = None
+                if i == 0 and k == 0:
+                    shadow = (4, 4) if step >= 30 else (4, 0)
+                accepted = k if i == 0 and step >= 30 else 0
+                session.observe(k, accepted, 1.0, 160.0 + 2 * extra, 16, compute_ms=148.0 + 2 * extra,
+                                requested=k, pass_positions=16 + extra, packed=True, pass_id=step + 1, shadow=shadow)
+        histories.append(watched.history)
+        pricings.append(priced)
+    every_step, reused = histories
+    assert reused == every_step
+    assert every_step[:30] == [0] * 30 and max(every_step[30:]) >= 2, every_step
+    reuse = controller_module.SETTLED_REUSE_STEPS
+    assert watched.estimator.evidence > watched.estimator.accepting_evidence > 0
+    assert [s for s in pricings[1] if s < 31] == [0] + list(range(1, 31, reuse)), pricings[1]
+    assert 31 in pricings[1], pricings[1]  # the first accepted shadow's step after: priced at once
+
+
 def test_a_gated_probe_that_no_depth_would_pay_for_is_priced_every_few_steps_not_every_step() -> None:
     """16 echoing sessions at k = 0 whose method's recent prompts accepted 0.1-0.4 at fill 0.5 and
     whose own lookups find nothing to draft (a completion at 16 sessions): past the gated interval
