@@ -1,0 +1,170 @@
+"""The engine loop's own work per session step, speculation off against auto, on real outputs.
+
+    PYTHONPATH=. python scripts/bench_engine_step_cost.py [--kind completion] [--rounds 6] [--repeats 3]
+
+`scripts/bench_auto_step_cost.py` times the controller, echo and shadow alone on a random
+context, where the lookups rarely find a match. This runs `SpeculativeEngine`'s whole loop,
+with the n-gram proposer, on the kind's prompts and the bundled target's own greedy outputs
+(computed once, at the start): 16 sessions stepped in turn in one thread, against a verifier
+that replays those outputs and reports packed passes of 16 rows, so every lookup, shadow and
+echo sees the text a live session sees. Off is a fixed k = 0 whose steps still teach the
+replica's cost model (as `specd bench-load`'s "off"); auto is `--k auto`. The two alternate,
+`--repeats` times each, and the thread CPU per session step of each is printed, then their
+medians.
+
+In the live stack at 16 sessions the coordinator's CPU shares the two cores with the target's
+pass, and what it spends between one pass and the next the pass waits for: this is the part of
+that time which is the engine's and the controller's own, with no gRPC or network in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from coordinator.depth import EMBEDDED, CostModels, DepthPolicy
+from coordinator.engine import SpeculativeEngine
+from draft_service.proposers import make_proposer
+from draft_service.proposers.base import Proposal
+from specd.models import load_model
+from specd.sampling import SamplingParams
+from specd.workloads import default_prompts_path, load_prompts, prompts_of_kind
+from target_service.verifier import TargetModel
+
+SESSIONS = 16
+MAX_TOKENS = 32
+PASS_MS = 65.0  # a plain pass of 16 rows on the CI machines (held cells of completion)
+
+
+@dataclass
+class ReplayOutcome:
+    """A verify outcome as a remote replica reports it, in a packed pass of SESSIONS rows."""
+
+    num_accepted: int
+    tokens: list[int]
+    pass_id: int
+    pass_block_length: int = 1
+    pass_positions: int = SESSIONS
+    batch_size: int = SESSIONS
+    compute_ms: float = PASS_MS
+    packed: bool = True
+    queue_ms: float = 0.0
+
+
+class ReplaySession:
+    """A target session that emits a recorded greedy output: a block is accepted as far as it
+    agrees with it, as the target's greedy verification would."""
+
+    replica = None  # the engine's cost models key it as the embedded replica
+
+    def __init__(self, output: Sequence[int], passes: itertools.count):
+        self.output, self.position, self.passes = list(output), 0, passes
+
+    @property
+    def room(self) -> int:
+        return 1 << 16
+
+    def prefill(self) -> int:
+        self.position = 1
+        return self.output[0]
+
+    def verify(self, proposal: Proposal) -> ReplayOutcome:
+        accepted = 0
+        for token in proposal.tokens:
+            at = self.position + accepted
+            if at >= len(self.output) or token != self.output[at]:
+                break
+            accepted += 1
+        tokens = self.output[self.position:self.position + accepted + 1]
+        tokens += [0] * (accepted + 1 - len(tokens))  # past the recording (the step limit stops it first)
+        self.position += accepted + 1
+        drafted = len(proposal.tokens)
+        return ReplayOutcome(accepted, tokens, next(self.passes) // SESSIONS, pass_block_length=drafted + 1,
+                             pass_positions=SESSIONS + drafted)
+
+    def close(self) -> None:
+        pass
+
+
+class ReplayVerifier:
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]]):
+        self.outputs = outputs
+        self.passes = itertools.count(1)
+
+    def open_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> ReplaySession:
+        return ReplaySession(self.outputs[tuple(prompt_ids)], self.passes)
+
+
+def greedy_outputs(kind: str) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt of `kind` (encoded) -> the bundled target's greedy output, MAX_TOKENS at most."""
+    model = load_model()
+    engine = SpeculativeEngine(TargetModel(model), None, k=0, eos_token_ids=model.eos_token_ids)
+    outputs = {}
+    for prompt in prompts_of_kind(load_prompts(default_prompts_path()), kind, MAX_TOKENS):
+        ids = model.encode(prompt.prompt, chat=prompt.chat)
+        generation = engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        generation.run()
+        outputs[tuple(ids)] = list(generation.token_ids)
+    return outputs
+
+
+def seeded_costs() -> CostModels:
+    """The embedded replica's n-gram cost model seeded with packed passes of 1 and 16 rows at
+    0-48 extra positions (a settled replica, as after a bench's warm-up)."""
+    costs = CostModels()
+    model = costs.get(EMBEDDED, "ngram")
+    for rows in (1, SESSIONS):
+        for extra in (0, 16, 32, 48):
+            for _ in range(4):
+                model.observe_verify(rows, 1 + extra // rows, PASS_MS + 1.5 * extra, positions=rows + extra, packed=True)
+    return costs
+
+
+def engine_for(config: str, outputs: dict[tuple[int, ...], list[int]]) -> SpeculativeEngine:
+    costs = seeded_costs()
+    proposer = make_proposer("ngram", None)
+    if config == "off":
+        return SpeculativeEngine(ReplayVerifier(outputs), proposer, k=0, cost_models=DepthPolicy("auto", 8, costs))
+    return SpeculativeEngine(ReplayVerifier(outputs), proposer, k=8, depth=DepthPolicy(config, 8, costs))
+
+
+def us_per_step(config: str, outputs: dict[tuple[int, ...], list[int]], rounds: int) -> float:
+    """Thread CPU per session step over `rounds` rounds of SESSIONS requests stepped in turn."""
+    engine, prompts = engine_for(config, outputs), list(outputs)
+    steps, start = 0, time.thread_time()
+    for _ in range(rounds):
+        live = [iter(engine.generate(list(prompts[i % len(prompts)]), SamplingParams(max_tokens=MAX_TOKENS)).chunks)
+                for i in range(SESSIONS)]
+        while live:
+            still = []
+            for chunks in live:
+                if next(chunks, None) is not None:
+                    steps += 1
+                    still.append(chunks)
+            live = still
+    return (time.thread_time() - start) / steps * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", default="completion", help="workload kind whose prompts run (default completion)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of 16 requests per measurement (default 6)")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements of each configuration (default 3)")
+    args = parser.parse_args()
+    outputs = greedy_outputs(args.kind)
+    times: dict[str, list[float]] = {"off": [], "auto": []}
+    for repeat in range(args.repeats):
+        for config in times:
+            times[config].append(us_per_step(config, outputs, args.rounds))
+            print(f"{config}: {times[config][-1]:.1f} us a session step", flush=True)
+    off, auto = (statistics.median(times[c]) for c in ("off", "auto"))
+    print(f"{args.kind}, {SESSIONS} sessions, medians: off {off:.1f} us, auto {auto:.1f} us a session step "
+          f"(auto's own: {auto - off:.1f} us; a round of {SESSIONS}: {(auto - off) * SESSIONS / 1000:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()
