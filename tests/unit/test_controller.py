@@ -1778,28 +1778,38 @@ def _packed_replica_at_16(reuse_steps: int) -> list[DepthController]:
     return sessions
 
 
-def test_a_session_kept_off_prices_again_on_new_evidence_and_otherwise_every_few_steps() -> None:
-    """At 16 sessions whose prompts do not pay, a session at k = 0 reuses its last pricing while
-    nothing it rests on changes (`SETTLED_REUSE_STEPS`), and prices at once when its shadows bring
-    trials: from step 30 its output copies (shadows of 4 accepted whole) and it leaves k = 0 at the
-    same step, with the same depths after, as sessions that price every step."""
+def _watched_first_of_16(shadow_of: Callable[[int, int], tuple[int, int] | None],
+                         accepted_of: Callable[[int, int], int],
+                         ) -> tuple[list[list[int]], list[list[int]], DepthController]:
+    """Runs `_packed_replica_at_16` for 60 packed passes, pricing every step and then every
+    SETTLED_REUSE_STEPS steps; session 0 gets shadow_of(step, k) and accepts accepted_of(step, k),
+    the rest accept nothing. -> (session 0's depth histories, the steps it priced at, session 0)."""
     histories, pricings = [], []
     for reuse in (1, controller_module.SETTLED_REUSE_STEPS):
         sessions = _packed_replica_at_16(reuse)
-        watched = sessions[0]
-        priced = []
+        watched, priced = sessions[0], []
         original = watched.target
         watched.target = lambda load=None: priced.append(len(watched.history)) or original(load)  # type: ignore[method-assign]
         for step in range(60):  # one packed pass a step, every session in it
             depths = [session.choose() for session in sessions]
             extra = sum(depths)
             for i, (session, k) in enumerate(zip(sessions, depths)):
-                copying = i == 0 and step >= 30
-                shadow = (4, 4) if copying and k == 0 else None
-                session.observe(k, k if copying else 0, 1.0, 160.0 + 2 * extra, 16, compute_ms=148.0 + 2 * extra,
+                shadow = shadow_of(step, k) if i == 0 else None
+                accepted = accepted_of(step, k) if i == 0 else 0
+                session.observe(k, accepted, 1.0, 160.0 + 2 * extra, 16, compute_ms=148.0 + 2 * extra,
                                 requested=k, pass_positions=16 + extra, packed=True, pass_id=step + 1, shadow=shadow)
         histories.append(watched.history)
         pricings.append(priced)
+    return histories, pricings, watched
+
+
+def test_a_session_kept_off_prices_again_on_new_evidence_and_otherwise_every_few_steps() -> None:
+    """At 16 sessions whose prompts do not pay, a session at k = 0 reuses its last pricing while
+    nothing it rests on changes (`SETTLED_REUSE_STEPS`), and prices at once when its shadows bring
+    trials: from step 30 its output copies (shadows of 4 accepted whole) and it leaves k = 0 at the
+    same step, with the same depths after, as sessions that price every step."""
+    histories, pricings, _ = _watched_first_of_16(
+        lambda step, k: (4, 4) if step >= 30 and k == 0 else None, lambda step, k: k if step >= 30 else 0)
     every_step, reused = histories
     assert reused == every_step
     assert every_step[:30] == [0] * 30 and max(every_step[30:]) >= 2, every_step
@@ -1817,24 +1827,8 @@ def test_failed_shadows_do_not_make_a_session_kept_off_price_again_and_accepted_
     all the same: a failed trial only lowers the rates its depths are priced on. From step 30
     its shadows go through whole, and it prices at once and leaves k = 0 at the same step, with
     the same depths after, as a session that prices every step."""
-    histories, pricings = [], []
-    for reuse in (1, controller_module.SETTLED_REUSE_STEPS):
-        sessions = _packed_replica_at_16(reuse)
-        watched, priced = sessions[0], []
-        original = watched.target
-        watched.target = lambda load=None: priced.append(len(watched.history)) or original(load)  # type: ignore[method-assign]
-        for step in range(60):
-            depths = [session.choose() for session in sessions]
-            extra = sum(depths)
-            for i, (session, k) in enumerate(zip(sessions, depths)):
-                shadow = None
-                if i == 0 and k == 0:
-                    shadow = (4, 4) if step >= 30 else (4, 0)
-                accepted = k if i == 0 and step >= 30 else 0
-                session.observe(k, accepted, 1.0, 160.0 + 2 * extra, 16, compute_ms=148.0 + 2 * extra,
-                                requested=k, pass_positions=16 + extra, packed=True, pass_id=step + 1, shadow=shadow)
-        histories.append(watched.history)
-        pricings.append(priced)
+    histories, pricings, watched = _watched_first_of_16(
+        lambda step, k: None if k else ((4, 4) if step >= 30 else (4, 0)), lambda step, k: k if step >= 30 else 0)
     every_step, reused = histories
     assert reused == every_step
     assert every_step[:30] == [0] * 30 and max(every_step[30:]) >= 2, every_step
