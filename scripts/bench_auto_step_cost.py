@@ -37,14 +37,15 @@ CONTEXT_TOKENS = 300
 VOCAB = 5000
 
 
-def seeded_cost_model() -> CostModel:
-    """Packed passes of 1 and 16 rows at 0-48 extra positions, four of each (settled cells)."""
+def seeded_cost_model(base_ms: float = 100.0, ms_per_position: float = 2.0, ms_per_row: float = 3.0) -> CostModel:
+    """Packed passes of 1 and 16 rows at 0-48 extra positions, four of each (settled cells), each
+    costing base_ms + ms_per_position a drafted position + ms_per_row a row."""
     model = CostModel()
     for rows in (1, 16):
         for extra in (0, 16, 32, 48):
             for _ in range(4):
-                model.observe_verify(rows, 1 + extra // rows, 100 + 2 * extra + 3 * rows, positions=rows + extra,
-                                     packed=True)
+                model.observe_verify(rows, 1 + extra // rows, base_ms + ms_per_position * extra + ms_per_row * rows,
+                                     positions=rows + extra, packed=True)
     return model
 
 

@@ -26,13 +26,14 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from coordinator.depth import EMBEDDED, CostModels, DepthPolicy
+from coordinator.depth import CostModels, DepthPolicy
 from coordinator.engine import SpeculativeEngine
 from draft_service.proposers import make_proposer
 from draft_service.proposers.base import Proposal
 from specd.models import load_model
 from specd.sampling import SamplingParams
 from specd.workloads import default_prompts_path, load_prompts, prompts_of_kind
+from scripts.bench_auto_step_cost import seeded_cost_model
 from target_service.verifier import TargetModel
 
 SESSIONS = 16
@@ -112,20 +113,9 @@ def greedy_outputs(kind: str) -> dict[tuple[int, ...], list[int]]:
     return outputs
 
 
-def seeded_costs() -> CostModels:
-    """The embedded replica's n-gram cost model seeded with packed passes of 1 and 16 rows at
-    0-48 extra positions (a settled replica, as after a bench's warm-up)."""
-    costs = CostModels()
-    model = costs.get(EMBEDDED, "ngram")
-    for rows in (1, SESSIONS):
-        for extra in (0, 16, 32, 48):
-            for _ in range(4):
-                model.observe_verify(rows, 1 + extra // rows, PASS_MS + 1.5 * extra, positions=rows + extra, packed=True)
-    return costs
-
-
 def engine_for(config: str, outputs: dict[tuple[int, ...], list[int]]) -> SpeculativeEngine:
-    costs = seeded_costs()
+    # a settled replica, as after a bench's warm-up: passes of PASS_MS and 1.5 ms a drafted position
+    costs = CostModels(factory=lambda: seeded_cost_model(PASS_MS, ms_per_position=1.5, ms_per_row=0.0))
     proposer = make_proposer("ngram", None)
     if config == "off":
         return SpeculativeEngine(ReplayVerifier(outputs), proposer, k=0, cost_models=DepthPolicy("auto", 8, costs))
