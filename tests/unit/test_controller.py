@@ -1821,6 +1821,42 @@ def test_a_session_kept_off_prices_again_on_new_evidence_and_otherwise_every_few
     assert pricings[0] == list(range(60))
 
 
+def _copy_then_miss_in_a_batch_of_16() -> tuple[list[int], list[tuple[int, int]]]:
+    """Session 0 of `_packed_replica_at_16` copies its context for 20 steps (shadows of 4 and
+    blocks accepted whole), then every draft misses at its first position; its peers accept
+    nothing. -> (its depth history, (step, policy target) at every step)."""
+    sessions = _packed_replica_at_16(1)
+    watched, targets = sessions[0], []
+    original = watched.target
+    watched.target = lambda load=None: targets.append((len(watched.history), original(load))) or targets[-1][1]  # type: ignore[method-assign]
+    for step in range(60):  # one packed pass a step, every session in it
+        depths = [session.choose() for session in sessions]
+        extra = sum(depths)
+        for i, (session, k) in enumerate(zip(sessions, depths)):
+            copying = i == 0 and step < 20
+            session.observe(k, k if copying else 0, 1.0, 160.0 + 2 * extra, 16, compute_ms=148.0 + 2 * extra,
+                            requested=k, pass_positions=16 + extra, packed=True, pass_id=step + 1,
+                            shadow=(4, 4) if copying and k == 0 else None)
+    return watched.history, targets
+
+
+def test_in_a_batch_a_drafting_session_stops_two_steps_after_its_pricing_says_off(monkeypatch) -> None:
+    """In a batch a wrong "on" lengthens every row's pass: a drafting session whose own pricing
+    says k = 0, after at least two steps of wanting less than it drafts (`BATCH_OFF_STEPS`),
+    stops, where the single-session hysteresis held it on for 12 steps or until plain decoding
+    priced 10 % better. Extraction at 16 sessions drafted at 70 % of its drafting steps against
+    its own pricing (docs/benchmarks.md)."""
+    history, targets = _copy_then_miss_in_a_batch_of_16()
+    assert max(history[:20]) >= 2, history
+    first_off = next(step for step, target in targets if step >= 20 and target == 0)
+    assert history[first_off + controller_module.BATCH_OFF_STEPS - 1] == 0, (first_off, history)
+    drafting_after = sum(1 for k in history[20:first_off + 12] if k > 0)
+    monkeypatch.setattr(controller_module, "BATCH_OFF_STEPS", 10 ** 6)  # the hysteresis alone
+    held, _ = _copy_then_miss_in_a_batch_of_16()
+    assert held[:first_off] == history[:first_off]
+    assert sum(1 for k in held[20:first_off + 12] if k > 0) > drafting_after + 4, (history, held)
+
+
 def test_failed_shadows_do_not_make_a_session_kept_off_price_again_and_accepted_ones_do() -> None:
     """A session at k = 0 whose shadows fail at every step (a completion whose lookups keep
     finding spans the output does not take) reuses its pricing for SETTLED_REUSE_STEPS steps
