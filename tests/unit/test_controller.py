@@ -1778,28 +1778,41 @@ def _packed_replica_at_16(reuse_steps: int) -> list[DepthController]:
     return sessions
 
 
+def _first_of_16(reuse: int, shadow_of: Callable[[int, int], tuple[int, int] | None],
+                 accepted_of: Callable[[int, int], int]) -> tuple[DepthController, list[tuple[int, int]]]:
+    """`_packed_replica_at_16(reuse)` for 60 packed passes; session 0 gets shadow_of(step, k) and
+    accepts accepted_of(step, k), the rest accept nothing. -> (session 0, (step, the policy's
+    target) at every step session 0 priced its depths)."""
+    sessions = _packed_replica_at_16(reuse)
+    watched, targets = sessions[0], []
+    original = watched.target
+
+    def target(load=None):
+        targets.append((len(watched.history), original(load)))
+        return targets[-1][1]
+
+    watched.target = target  # type: ignore[method-assign]
+    for step in range(60):  # one packed pass a step, every session in it
+        depths = [session.choose() for session in sessions]
+        extra = sum(depths)
+        for i, (session, k) in enumerate(zip(sessions, depths)):
+            shadow = shadow_of(step, k) if i == 0 else None
+            accepted = accepted_of(step, k) if i == 0 else 0
+            session.observe(k, accepted, 1.0, 160.0 + 2 * extra, 16, compute_ms=148.0 + 2 * extra,
+                            requested=k, pass_positions=16 + extra, packed=True, pass_id=step + 1, shadow=shadow)
+    return watched, targets
+
+
 def _watched_first_of_16(shadow_of: Callable[[int, int], tuple[int, int] | None],
                          accepted_of: Callable[[int, int], int],
                          ) -> tuple[list[list[int]], list[list[int]], DepthController]:
-    """Runs `_packed_replica_at_16` for 60 packed passes, pricing every step and then every
-    SETTLED_REUSE_STEPS steps; session 0 gets shadow_of(step, k) and accepts accepted_of(step, k),
-    the rest accept nothing. -> (session 0's depth histories, the steps it priced at, session 0)."""
+    """`_first_of_16`, pricing every step and then every SETTLED_REUSE_STEPS steps. -> (session
+    0's depth histories, the steps it priced at, session 0)."""
     histories, pricings = [], []
     for reuse in (1, controller_module.SETTLED_REUSE_STEPS):
-        sessions = _packed_replica_at_16(reuse)
-        watched, priced = sessions[0], []
-        original = watched.target
-        watched.target = lambda load=None: priced.append(len(watched.history)) or original(load)  # type: ignore[method-assign]
-        for step in range(60):  # one packed pass a step, every session in it
-            depths = [session.choose() for session in sessions]
-            extra = sum(depths)
-            for i, (session, k) in enumerate(zip(sessions, depths)):
-                shadow = shadow_of(step, k) if i == 0 else None
-                accepted = accepted_of(step, k) if i == 0 else 0
-                session.observe(k, accepted, 1.0, 160.0 + 2 * extra, 16, compute_ms=148.0 + 2 * extra,
-                                requested=k, pass_positions=16 + extra, packed=True, pass_id=step + 1, shadow=shadow)
+        watched, targets = _first_of_16(reuse, shadow_of, accepted_of)
         histories.append(watched.history)
-        pricings.append(priced)
+        pricings.append([step for step, _ in targets])
     return histories, pricings, watched
 
 
@@ -1822,21 +1835,11 @@ def test_a_session_kept_off_prices_again_on_new_evidence_and_otherwise_every_few
 
 
 def _copy_then_miss_in_a_batch_of_16() -> tuple[list[int], list[tuple[int, int]]]:
-    """Session 0 of `_packed_replica_at_16` copies its context for 20 steps (shadows of 4 and
-    blocks accepted whole), then every draft misses at its first position; its peers accept
-    nothing. -> (its depth history, (step, policy target) at every step)."""
-    sessions = _packed_replica_at_16(1)
-    watched, targets = sessions[0], []
-    original = watched.target
-    watched.target = lambda load=None: targets.append((len(watched.history), original(load))) or targets[-1][1]  # type: ignore[method-assign]
-    for step in range(60):  # one packed pass a step, every session in it
-        depths = [session.choose() for session in sessions]
-        extra = sum(depths)
-        for i, (session, k) in enumerate(zip(sessions, depths)):
-            copying = i == 0 and step < 20
-            session.observe(k, k if copying else 0, 1.0, 160.0 + 2 * extra, 16, compute_ms=148.0 + 2 * extra,
-                            requested=k, pass_positions=16 + extra, packed=True, pass_id=step + 1,
-                            shadow=(4, 4) if copying and k == 0 else None)
+    """Session 0 of a batch of 16 copies its context for 20 steps (shadows of 4 and blocks
+    accepted whole), then every draft misses at its first position; its peers accept nothing.
+    -> (its depth history, (step, policy target) at every step)."""
+    watched, targets = _first_of_16(1, lambda step, k: (4, 4) if step < 20 and k == 0 else None,
+                                    lambda step, k: k if step < 20 else 0)
     return watched.history, targets
 
 
