@@ -293,12 +293,13 @@ def _fixed_work(gen: LoadGenerator, concurrency: int, requests: int, spec: LoadS
                 ) -> tuple[list, tuple[float, float]]:
     """One part of a fixed-work cell, as (records, window): every prompt once per pass at
     concurrency 1 (the window its whole wall time); above it `requests` requests at a held
-    concurrency (`LoadGenerator.closed_loop_held`), then the target is let to close the cut
-    requests' sessions."""
+    concurrency (`LoadGenerator.closed_loop_held`), in the window between the end of the
+    opening wave's last request (a lead-in of `concurrency` requests, not counted) and the end of
+    the last, then the target is let to close the cut requests' sessions."""
     if concurrency == 1:
         records, wall = gen.closed_loop(1, requests, spec)
         return records, (0.0, wall)
-    held = gen.closed_loop_held(concurrency, requests, spec)
+    held = gen.closed_loop_held(concurrency, requests, spec, lead_in=concurrency)
     wait_idle(target_stub)
     return held
 
@@ -481,6 +482,7 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
                      "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline,
                      "window_seconds": args.window_seconds, "stagger_seconds": args.stagger_seconds,
                      "cell_requests": args.cell_requests, "cell_parts": args.cell_parts,
+                     "held_lead_in": getattr(args, "held_lead_in", True),  # False: a report from before it
                      "c1_passes": args.c1_passes, "first_run": args.first_run},
     }
 
@@ -499,11 +501,14 @@ def merge_reports(reports: list[dict]) -> dict:
     mean_k: dict = defaultdict(lambda: defaultdict(list))
     hf: dict = defaultdict(list)
     useless: dict = defaultdict(list)
+    lead_in = first["settings"].get("held_lead_in", False)
     for report in reports:
         shape = (list(report["tokens_per_s"]), [int(c) for c in report["settings"]["concurrency"]],
-                 list(next(iter(report["tokens_per_s"][kinds[0]].values()))))
-        if shape != (kinds, levels, names):
-            raise ValueError("the reports differ in their kinds, concurrency levels or configurations")
+                 list(next(iter(report["tokens_per_s"][kinds[0]].values()))),
+                 report["settings"].get("held_lead_in", False))
+        if shape != (kinds, levels, names, lead_in):
+            raise ValueError("the reports differ in their kinds, concurrency levels, configurations or held "
+                             "windows (with a lead-in since 2026-12-05, from the start before)")
         for kind in kinds:
             for c in levels:
                 for name in names:
@@ -514,6 +519,7 @@ def merge_reports(reports: list[dict]) -> dict:
         for name, value in report["useless_draft_c1_tokens_per_s"].items():
             useless[name].append(value)
     args = argparse.Namespace(**dict(first["settings"], runs=len(reports),
+                                     held_lead_in=lead_in,
                                      first_run=[r["settings"].get("first_run", 0) for r in reports]))
     fixed = [int(k) for k in first["settings"]["fixed_k"]]
     return _report(kinds, levels, fixed, [(name, "") for name in names], tps, p50, mean_k, hf, useless,
@@ -523,9 +529,11 @@ def merge_reports(reports: list[dict]) -> dict:
 def render(report: dict) -> str:
     s = report["settings"]
     if s.get("cell_requests"):
+        counted = ("tokens/s every token streamed between the opening wave's last end (a lead-in of one "
+                   "request per client) and the last end over that time" if s.get("held_lead_in")
+                   else "tokens/s every token streamed until then over that time")
         higher = (f"held until {s['cell_requests']} requests have ended at the highest concurrency (in "
-                  "proportion below, at least one per client), tokens/s every token streamed until then over "
-                  "that time, run in "
+                  f"proportion below, at least one per client), {counted}, run in "
                   f"{s.get('cell_parts', 2)} parts interleaved with the other configurations'")
     else:
         higher = (f"held at that concurrency, tokens/s over a window after the opening prefills "

@@ -129,6 +129,17 @@ def window_tokens(records: Iterable[RequestRecord], start: float, end: float) ->
     return sum(n for r in records for t, n in zip(r.chunk_times, r.chunk_tokens) if start < t <= end)
 
 
+def held_window(ended: Sequence[float], lead_in: int, now: float) -> tuple[float, float]:
+    """A held loop's window from its requests' end times: from the `lead_in`-th end (0: the
+    start) to the last (`now` where none ended). Ends recorded at nearly one moment (requests in
+    step end within the same few milliseconds) can be appended out of order, so they are sorted."""
+    ends = sorted(ended)
+    if not ends:
+        return 0.0, now
+    begin = ends[lead_in - 1] if 0 < lead_in <= len(ends) else 0.0
+    return begin, ends[-1]
+
+
 def summarize(records: Sequence[RequestRecord], wall_s: float, slo: SLO = SLO(),
               window: tuple[float, float] | None = None) -> dict:
     """The run's figures. With `window` (a timed closed loop's steady span, `closed_loop_for`),
@@ -355,26 +366,39 @@ class LoadGenerator:
             t.join()
         return records, (begin, begin + window_s)
 
-    def closed_loop_held(self, concurrency: int, finished: int, spec: LoadSpec) -> tuple[list[RequestRecord], tuple[float, float]]:
+    def closed_loop_held(self, concurrency: int, finished: int, spec: LoadSpec, lead_in: int = 0
+                         ) -> tuple[list[RequestRecord], tuple[float, float]]:
         """Fixed work at a held concurrency: `concurrency` client threads send requests (cycling
-        the prompts) until `finished` requests have ended; then the streams still open are
-        cancelled and their records marked `cut`. Returns the records and the window (0, the
-        moment the `finished`-th request ended), for `summarize(..., window=...)`: tokens/s counts
-        every token streamed until then, cut requests' included.
+        the prompts) until `lead_in` + `finished` requests have ended; then the streams still open
+        are cancelled and their records marked `cut`. Returns the records and the window, from the
+        `lead_in`-th request's end (0: the start) to the last one's, for `summarize(...,
+        window=...)`: tokens/s counts every token streamed in it, cut requests' included.
 
         Why not `closed_loop` (the same requests, then stop): a burst of c requests drains one by
         one, and its tokens/s is its slowest request's makespan. Speculation off runs requests of
         one length in step, so its bursts end together; with speculation the requests of a burst
         end at different steps and the last ones run in passes of a few rows: at 16 sessions, a
         quarter of a cell's passes were that drain (docs/benchmarks.md). Held, the server runs at
-        `concurrency` to the end, as a server with that many clients does."""
-        if concurrency < 1 or finished < 1:
-            raise ValueError(f"need concurrency >= 1 and finished >= 1, got {concurrency}, {finished}")
+        `concurrency` to the end, as a server with that many clients does.
+
+        Why a lead-in (`lead_in` = `concurrency` in the bench): a window from the start opens with
+        every client at a new request and closes at a request's end. Speculation off keeps requests
+        of one length in step, so its close finds every client at a new request again (its last
+        wave just ended together); with speculation the requests fall out of step, and the close
+        finds up to c - 1 of them started, prefilled and barely streamed: prefill time spent, its
+        tokens not yet come. At 16 sessions off ran 53-59 prefills in 48 requests and every
+        drafting configuration 62-63. Opened at a request's end too, after the opening wave, the
+        window starts and ends alike whether the sessions run in step or apart: it holds
+        `finished` requests' work, tokens arriving in it over its length."""
+        if concurrency < 1 or finished < 1 or lead_in < 0:
+            raise ValueError(f"need concurrency >= 1, finished >= 1 and lead_in >= 0, got "
+                             f"{concurrency}, {finished}, {lead_in}")
         calls = _OpenCalls()
         lock = threading.Lock()
         records: list[RequestRecord] = []
         sent = 0
-        ended: list[float] = []  # when each request that ended did, in order
+        ended: list[float] = []  # when each request that ended did
+        stop_at = lead_in + finished
         origin = time.perf_counter()
 
         def worker() -> None:
@@ -386,10 +410,10 @@ class LoadGenerator:
                 rec = self._one(prompt, spec, origin, calls)
                 with lock:
                     records.append(rec)
-                    counts = not rec.cut and len(ended) < finished
+                    counts = not rec.cut and len(ended) < stop_at
                     if counts:
                         ended.append(rec.done if rec.done is not None else time.perf_counter() - origin)
-                if counts and len(ended) == finished:
+                if counts and len(ended) == stop_at:
                     calls.stop()
 
         threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -397,7 +421,7 @@ class LoadGenerator:
             t.start()
         for t in threads:
             t.join()
-        return records, (0.0, ended[-1] if ended else time.perf_counter() - origin)
+        return records, held_window(ended, lead_in, time.perf_counter() - origin)
 
     def open_loop(self, arrivals: Sequence[float], spec: LoadSpec, max_in_flight: int = 64) -> tuple[list[RequestRecord], float]:
         """One request at each arrival time (seconds from now), cycling the prompts."""

@@ -11,8 +11,9 @@ wall time. `specd bench-load` runs every kind and level once per run; this repea
 on one stack, where the swing between runs would hide a few percent.
 
 With `--requests N` a cell is fixed work instead of a timed window: CONCURRENCY client threads
-send the kind's prompts in turn until N requests have ended (the load held to the end, no drain:
-`LoadGenerator.closed_loop_held`), tokens/s every token streamed until then over that time.
+send the kind's prompts in turn until CONCURRENCY + N requests have ended (the load held to the
+end, no drain: `LoadGenerator.closed_loop_held`), tokens/s every token streamed between the
+CONCURRENCY-th end (the opening wave's) and the last over that time.
 Greedy outputs are the same in every configuration, so every cell does about the same work, and
 which phase of the sessions' prefill waves a window happens to catch no longer moves the figure.
 """
@@ -93,6 +94,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="window per cell (default 15)")
     parser.add_argument("--requests", type=int, default=0,
                         help="fixed-work cells: this many requests per cell instead of a --seconds window")
+    parser.add_argument("--from-start", action="store_true",
+                        help="fixed-work cells: open the window at the start, not after a lead-in of CONCURRENCY "
+                             "requests (the window until 2026-12-05)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32, help="cap per request, as bench-load's default")
     parser.add_argument("--after", default="",
@@ -152,7 +156,8 @@ def main() -> None:
                 before, start = {n: cpu_seconds(p) for n, p in services.items()}, time.time()
                 passes_before = target_work(stub)
                 if args.requests:
-                    records, window = gen.closed_loop_held(args.concurrency, args.requests, spec)
+                    lead_in = 0 if args.from_start else args.concurrency
+                    records, window = gen.closed_loop_held(args.concurrency, args.requests, spec, lead_in)
                     wall = window[1]
                 else:
                     records, window = gen.closed_loop_for(args.concurrency, args.seconds, spec, 0.2)

@@ -122,3 +122,24 @@ def test_a_held_fixed_work_loop_stays_at_its_concurrency_until_the_asked_request
     assert streamed_cut > 0  # the cut requests' tokens until then count
     assert s["tokens_per_s"] == pytest.approx((6 * TOKENS + sum(
         n for r in cut for t, n in zip(r.chunk_times, r.chunk_tokens) if t <= end)) / end, rel=0.01)
+
+
+def test_a_held_loop_with_a_lead_in_counts_only_the_tokens_after_the_opening_wave(server) -> None:
+    """`closed_loop_held(..., lead_in=c)`: the window opens at the c-th request's end, so the
+    opening wave's prefills and tokens before it do not count, and closes when `finished` more
+    requests have ended."""
+    _, address = server
+    prompts = [Prompt(id="p", kind="chat", chat=False, prompt="hi", max_tokens=TOKENS)]
+    gen = LoadGenerator(address, prompts, encode=lambda p: [1, 2, 3])
+    try:
+        records, (begin, end) = gen.closed_loop_held(3, 4, LoadSpec(max_tokens=TOKENS), lead_in=3)
+    finally:
+        gen.close()
+    ends = sorted(r.done for r in records if r.done is not None)
+    assert len(ends) == 7
+    assert begin == pytest.approx(ends[2]) and end == pytest.approx(ends[-1])
+    assert begin >= 3 * PREFILL_S + TOKENS * TOKEN_S  # after the third prefill in the queue and its tokens
+    s = summarize(records, end, window=(begin, end))
+    in_window = sum(n for r in records for t, n in zip(r.chunk_times, r.chunk_tokens) if begin < t <= end)
+    assert 0 < in_window < 7 * TOKENS
+    assert s["tokens_per_s"] == pytest.approx(in_window / (end - begin), rel=0.01)

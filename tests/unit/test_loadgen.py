@@ -7,8 +7,8 @@ import pytest
 from coordinator.bench_load import (best_fixed, cell_order, cell_requests, cell_window, held_out_choices, interleaved,
                                    target_tally,
                                    merge_reports, render, split_requests, summarize_parts, useless_draft_cells)
-from coordinator.loadgen import (SLO, RequestRecord, k_over_time, percentile, poisson_arrivals, step_rate, summarize,
-                                 window_tokens)
+from coordinator.loadgen import (SLO, RequestRecord, held_window, k_over_time, percentile, poisson_arrivals, step_rate,
+                                 summarize, window_tokens)
 
 
 def test_poisson_arrivals_have_the_asked_rate_and_are_seeded() -> None:
@@ -32,6 +32,13 @@ def test_percentile_interpolates() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+def test_a_held_window_opens_at_the_lead_in_requests_end_and_closes_at_the_last() -> None:
+    ends = [2.0, 1.0, 1.001, 3.5, 3.0]  # requests in step end within a few ms, appended out of order
+    assert held_window(ends, 2, 9.0) == (1.001, 3.5)
+    assert held_window(ends, 0, 9.0) == (0.0, 3.5)  # no lead-in: from the start
+    assert held_window([], 2, 9.0) == (0.0, 9.0)  # nothing ended: until now
 
 
 def _record(sent: float, chunks: list[tuple[float, int]], k_per_step: list[int], drafted: int = 0,
@@ -224,6 +231,17 @@ def test_merged_reports_also_give_each_runs_own_ratios_and_their_median() -> Non
     text = render(merged)
     assert "median over the 3 runs" in text and "| chat | 2.20x | 1.10x | 1.50x | 1.10x |" in text
     assert "median over the" not in render(merge_reports(reports[:1]))  # one run: no paired table
+
+
+def test_a_report_says_which_held_window_its_cells_used_and_reports_of_both_do_not_merge() -> None:
+    """Held cells opened after a lead-in (since 2026-12-05) and from the start (before) measure
+    different windows; a report says which, and merging one of each is refused."""
+    before, after = _report_of(10.0, 18.0, 9.0), _report_of(10.0, 18.0, 9.0)
+    after["settings"]["held_lead_in"] = True
+    assert "opening wave's last end" in render(merge_reports([after, after]))
+    assert "opening wave" not in render(merge_reports([before])) and "until then" in render(merge_reports([before]))
+    with pytest.raises(ValueError, match="held windows"):
+        merge_reports([after, before])
 
 
 def test_each_runs_fixed_k_is_chosen_on_the_other_runs() -> None:
