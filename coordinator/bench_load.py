@@ -439,9 +439,14 @@ USELESS_FLOOR = 0.95
 def target_tally(checks: dict, useless: float | None, lo: str, hi: str) -> list[str]:
     """The issue's targets against one set of ratios (`target_checks`' or the paired medians),
     one line each: how many kinds meet it and the ratios of those that do not; then code edits
-    against transformers' target-only at the lowest concurrency, and the useless draft."""
+    against transformers' target-only at the lowest concurrency, and the useless draft.
+
+    The issue sets the lowest level's targets at concurrency 1 and the highest's above it: a
+    sweep of 16 sessions alone (lo = hi = "c16") tallies only the targets at 16."""
     lines = []
     for name, floor, what in KIND_TARGETS:
+        if (lo != "c1" and name.startswith("low_")) or (hi == "c1" and name.startswith("high_")):
+            continue
         missed = [f"{kind} {ratio_text(c.get(name), 3)}" for kind, c in checks.items()
                   if c.get(name) is None or c[name] < floor]
         lines.append(f"{what.format(lo=lo, hi=hi)}: {len(checks) - len(missed)} of {len(checks)} kinds"
@@ -449,7 +454,7 @@ def target_tally(checks: dict, useless: float | None, lo: str, hi: str) -> list[
     for what, value, floor in ((f"{lo}: {COPY_KIND}, auto >= {COPY_FLOOR:g}x transformers' target-only",
                                 checks.get(COPY_KIND, {}).get("low_auto_vs_transformers_target_only"), COPY_FLOOR),
                                (f"useless draft: auto >= {USELESS_FLOOR:g}x speculation off", useless, USELESS_FLOOR)):
-        if value is not None:
+        if value is not None and (lo == "c1" or what.startswith("useless")):
             lines.append(f"{what}: {ratio_text(value, 3)}" + ("" if value >= floor else " (not met)"))
     return lines
 

@@ -298,6 +298,14 @@ def test_the_targets_are_tallied_kind_by_kind_with_the_misses_ratios() -> None:
         "useless draft: auto >= 0.95x speculation off: 0.954x",
     ]
     assert target_tally({"chat": checks["chat"]}, None, "c1", "c8")[2] == "c8: auto >= the best fixed k: 1 of 1 kinds"
+    assert target_tally(checks, None, "c16", "c16") == [  # 16 sessions alone: no concurrency-1 targets
+        "c16: auto >= 0.97x speculation off: 2 of 2 kinds",
+        "c16: auto >= the best fixed k: 1 of 2 kinds (not code_edit 0.998x)",
+    ]
+    assert target_tally(checks, None, "c1", "c1") == [  # concurrency 1 alone: no targets at 16
+        "c1: auto >= 0.95x the best fixed k: 1 of 2 kinds (not code_edit 0.949x)",
+        "c1: code_edit, auto >= 2x transformers' target-only: 1.950x (not met)",
+    ]
 
 
 def test_the_report_tallies_the_targets_on_the_medians_and_on_each_runs_ratios() -> None:
