@@ -16,6 +16,8 @@ end, no drain: `LoadGenerator.closed_loop_held`), tokens/s every token streamed 
 CONCURRENCY-th end (the opening wave's) and the last over that time.
 Greedy outputs are the same in every configuration, so every cell does about the same work, and
 which phase of the sessions' prefill waves a window happens to catch no longer moves the figure.
+It also prints the medians of the same cells measured from the start (the window until
+2026-12-05, which charged configurations whose sessions fall out of step).
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ def main() -> None:
             prelude.close()
             print(f"ran {kind} first ({args.configs}), unmeasured", flush=True)
         rates: dict[str, list[float]] = {depth: [] for depth in args.configs.split(",")}
+        from_start: dict[str, list[float]] = {depth: [] for depth in rates}
         for rep in range(args.reps):
             for depth in rep_order(list(rates), rep, args.mirror):
                 spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
@@ -169,6 +172,8 @@ def main() -> None:
                 passes = passes_line(passes_before, target_work(stub), elapsed)
                 s = summarize(records, wall, window=window)
                 rates[depth].append(s["tokens_per_s"])
+                if window[0] > 0:  # the same records over the window from the start, as until 2026-12-05
+                    from_start[depth].append(summarize(records, wall, window=(0.0, window[1]))["tokens_per_s"])
                 ks = sorted(Counter(k for r in records for k in r.k_per_step).items())
                 drafted = sum(r.num_draft_tokens for r in records)
                 accepted = sum(r.num_accepted_tokens for r in records)
@@ -186,6 +191,8 @@ def main() -> None:
                         print(f"      {r.prompt_id}: accepted {r.num_accepted_tokens}/{r.num_draft_tokens}, "
                               f"k per step {r.k_per_step}", flush=True)
         print(medians_line(rates), flush=True)
+        if all(from_start.values()):
+            print("from the start, " + medians_line(from_start), flush=True)
         gen.close()
     finally:
         stack.stop()
