@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
+from typing import Callable, TypeVar
 
 import grpc
 import pytest
@@ -20,6 +21,8 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 PREFILL_S = 0.05
 TOKEN_S = 0.01
 TOKENS = 20
+T = TypeVar("T")
+SPEC = LoadSpec(max_tokens=TOKENS)
 
 
 class QueuedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
@@ -63,14 +66,19 @@ def server():
     srv.stop(0)
 
 
-def test_timed_closed_loop_holds_its_concurrency_and_cuts_the_open_streams(server) -> None:
-    servicer, address = server
-    prompts = [Prompt(id=f"p{i}", kind="chat", chat=False, prompt="hi", max_tokens=TOKENS) for i in range(3)]
-    gen = LoadGenerator(address, prompts, encode=lambda p: [1, 2, 3])
+def _run(address: str, loop: Callable[[LoadGenerator], T], prompts: int = 1) -> T:
+    """`loop` on a load generator of `prompts` one-word prompts against the server, closed after."""
+    gen = LoadGenerator(address, [Prompt(id=f"p{i}", kind="chat", chat=False, prompt="hi", max_tokens=TOKENS)
+                                  for i in range(prompts)], encode=lambda p: [1, 2, 3])
     try:
-        records, (begin, end) = gen.closed_loop_for(4, 0.6, LoadSpec(max_tokens=TOKENS))
+        return loop(gen)
     finally:
         gen.close()
+
+
+def test_timed_closed_loop_holds_its_concurrency_and_cuts_the_open_streams(server) -> None:
+    servicer, address = server
+    records, (begin, end) = _run(address, lambda gen: gen.closed_loop_for(4, 0.6, SPEC), prompts=3)
     # the window opens after the four opening prefills, which the server ran one at a time
     assert begin >= 4 * PREFILL_S - 0.01 and end == pytest.approx(begin + 0.6)
     assert servicer.most_in_flight == 4
@@ -90,12 +98,7 @@ def test_timed_closed_loop_holds_its_concurrency_and_cuts_the_open_streams(serve
 
 def test_staggered_clients_start_apart_and_the_window_waits_for_the_last(server) -> None:
     _, address = server
-    prompts = [Prompt(id="p", kind="chat", chat=False, prompt="hi", max_tokens=TOKENS)]
-    gen = LoadGenerator(address, prompts, encode=lambda p: [1, 2, 3])
-    try:
-        records, (begin, _) = gen.closed_loop_for(3, 0.3, LoadSpec(max_tokens=TOKENS), stagger_s=0.1)
-    finally:
-        gen.close()
+    records, (begin, _) = _run(address, lambda gen: gen.closed_loop_for(3, 0.3, SPEC, stagger_s=0.1))
     firsts = sorted(r.sent for r in records)[:3]
     assert firsts[0] < 0.05 and firsts[1] == pytest.approx(0.1, abs=0.04) and firsts[2] == pytest.approx(0.2, abs=0.04)
     assert begin >= 0.2 + PREFILL_S
@@ -105,12 +108,7 @@ def test_a_held_fixed_work_loop_stays_at_its_concurrency_until_the_asked_request
     """`closed_loop_held`: no drain. Four clients, six requests to end: when the sixth ends, the
     other clients' requests are still streaming and are cut, and the window closes at that end."""
     servicer, address = server
-    prompts = [Prompt(id="p", kind="chat", chat=False, prompt="hi", max_tokens=TOKENS)]
-    gen = LoadGenerator(address, prompts, encode=lambda p: [1, 2, 3])
-    try:
-        records, (begin, end) = gen.closed_loop_held(4, 6, LoadSpec(max_tokens=TOKENS))
-    finally:
-        gen.close()
+    records, (begin, end) = _run(address, lambda gen: gen.closed_loop_held(4, 6, SPEC))
     finished = sorted((r for r in records if r.done is not None), key=lambda r: r.done)
     cut = [r for r in records if r.cut]
     assert len(finished) == 6 and all(r.error is None for r in records)
@@ -129,12 +127,7 @@ def test_a_held_loop_with_a_lead_in_counts_only_the_tokens_after_the_opening_wav
     opening wave's prefills and tokens before it do not count, and closes when `finished` more
     requests have ended."""
     _, address = server
-    prompts = [Prompt(id="p", kind="chat", chat=False, prompt="hi", max_tokens=TOKENS)]
-    gen = LoadGenerator(address, prompts, encode=lambda p: [1, 2, 3])
-    try:
-        records, (begin, end) = gen.closed_loop_held(3, 4, LoadSpec(max_tokens=TOKENS), lead_in=3)
-    finally:
-        gen.close()
+    records, (begin, end) = _run(address, lambda gen: gen.closed_loop_held(3, 4, SPEC, lead_in=3))
     ends = sorted(r.done for r in records if r.done is not None)
     assert len(ends) == 7
     assert begin == pytest.approx(ends[2]) and end == pytest.approx(ends[-1])
