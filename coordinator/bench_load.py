@@ -451,10 +451,12 @@ def target_tally(checks: dict, useless: float | None, lo: str, hi: str) -> list[
                   if c.get(name) is None or c[name] < floor]
         lines.append(f"{what.format(lo=lo, hi=hi)}: {len(checks) - len(missed)} of {len(checks)} kinds"
                      + (f" (not {', '.join(missed)})" if missed else ""))
-    for what, value, floor in ((f"{lo}: {COPY_KIND}, auto >= {COPY_FLOOR:g}x transformers' target-only",
-                                checks.get(COPY_KIND, {}).get("low_auto_vs_transformers_target_only"), COPY_FLOOR),
-                               (f"useless draft: auto >= {USELESS_FLOOR:g}x speculation off", useless, USELESS_FLOOR)):
-        if value is not None and (lo == "c1" or what.startswith("useless")):
+    cases = [(f"useless draft: auto >= {USELESS_FLOOR:g}x speculation off", useless, USELESS_FLOOR)]
+    if lo == "c1":
+        cases.insert(0, (f"{lo}: {COPY_KIND}, auto >= {COPY_FLOOR:g}x transformers' target-only",
+                         checks.get(COPY_KIND, {}).get("low_auto_vs_transformers_target_only"), COPY_FLOOR))
+    for what, value, floor in cases:
+        if value is not None:
             lines.append(f"{what}: {ratio_text(value, 3)}" + ("" if value >= floor else " (not met)"))
     return lines
 

@@ -109,8 +109,9 @@ ECHO_STREAK_MAX = 8
 SETTLED_REUSE_STEPS = 8
 # In a batch, a drafting session whose policy has wanted less than it drafts this many steps in a
 # row stops drafting as soon as the policy says k = 0, not `switch_after` steps later. A wrong
-# "on" there lengthens every row's pass, a wrong "off" costs the session a few tokens, and turning on again takes the batch's whole margin
-# (`batch_margin`), which is the hysteresis band: from its priced gain down to none. With the 12
+# "on" there lengthens every row's pass, a wrong "off" costs the session a few tokens, and
+# turning on again takes the batch's whole margin (`batch_margin`), which is the hysteresis
+# band: from its priced gain down to none. With the 12
 # steps of the single-session hysteresis, 70 % of auto's drafting steps on extraction prompts at
 # 16 sessions were steps its own pricing said were not worth it (its acceptance estimate lagging
 # the end of a copied span), and its passes cost 1.24x speculation off's per token.
