@@ -17,7 +17,9 @@ CONCURRENCY-th end (the opening wave's) and the last over that time.
 Greedy outputs are the same in every configuration, so every cell does about the same work, and
 which phase of the sessions' prefill waves a window happens to catch no longer moves the figure.
 It also prints the medians of the same cells measured from the start (the window until
-2026-12-05, which charged configurations whose sessions fall out of step).
+2026-12-05, which charged configurations whose sessions fall out of step), and of each cell's
+verify time per token streamed: the work the depth decides, apart from the prefills, which at
+16 code edits are two thirds of the wall time and swing 10 % from cell to cell.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -56,21 +59,38 @@ def target_work(stub: target_pb2_grpc.TargetServiceStub) -> dict[int, tuple[int,
     return totals
 
 
-def passes_line(before: dict[int, tuple[int, float]], after: dict[int, tuple[int, float]], wall_s: float) -> str:
-    """The cell's verify passes: how many, their mean rows, their mean time, and the share of the
-    wall time the target spent in them (what the scheduler's batching left on the table); then
-    its prefills alike (where no depth choice helps)."""
-    passes = {b: (c - before.get(b, (0, 0.0))[0], ms - before.get(b, (0, 0.0))[1]) for b, (c, ms) in after.items()}
-    prefills, prefill_ms = passes.pop(0, (0, 0.0))
-    prefill = (f"; prefills {prefills}, mean {prefill_ms / prefills:.1f} ms, in prefills "
-               f"{prefill_ms / 10 / wall_s:.0f} %" if prefills else "")
-    count = sum(c for c, _ in passes.values())
-    if count <= 0:
-        return "no verify passes"
-    rows = sum(b * c for b, (c, _) in passes.items()) / count
-    total_ms = sum(ms for _, ms in passes.values())
-    return (f"verify passes {count}, mean rows {rows:.1f}, mean {total_ms / count:.1f} ms, "
-            f"in passes {total_ms / 10 / wall_s:.0f} % of the wall time{prefill}")
+@dataclass(frozen=True)
+class CellWork:
+    """What the target did during one cell: its verify passes (count, mean rows, total ms) and
+    its prefills (count, total ms)."""
+
+    passes: int
+    rows: float
+    verify_ms: float
+    prefills: int
+    prefill_ms: float
+
+
+def cell_work(before: dict[int, tuple[int, float]], after: dict[int, tuple[int, float]]) -> CellWork:
+    """The difference of two `target_work` readings."""
+    done = {b: (c - before.get(b, (0, 0.0))[0], ms - before.get(b, (0, 0.0))[1]) for b, (c, ms) in after.items()}
+    prefills, prefill_ms = done.pop(0, (0, 0.0))
+    count = sum(c for c, _ in done.values())
+    rows = sum(b * c for b, (c, _) in done.items()) / count if count > 0 else 0.0
+    return CellWork(count, rows, sum(ms for _, ms in done.values()), prefills, prefill_ms)
+
+
+def passes_line(work: CellWork, wall_s: float, tokens: int) -> str:
+    """The cell's verify passes: how many, their mean rows, their mean time, the share of the
+    wall time the target spent in them (what the scheduler's batching left on the table) and
+    their time per token streamed; then its prefills alike (where no depth choice helps)."""
+    prefill = (f"; prefills {work.prefills}, mean {work.prefill_ms / work.prefills:.1f} ms, in prefills "
+               f"{work.prefill_ms / 10 / wall_s:.0f} %" if work.prefills else "")
+    if work.passes <= 0:
+        return "no verify passes" + prefill
+    return (f"verify passes {work.passes}, mean rows {work.rows:.1f}, mean {work.verify_ms / work.passes:.1f} ms, "
+            f"in passes {work.verify_ms / 10 / wall_s:.0f} % of the wall time, "
+            f"{work.verify_ms / max(tokens, 1):.2f} ms a token{prefill}")
 
 
 def rep_order(configs: list[str], rep: int, mirror: bool) -> list[str]:
@@ -81,10 +101,10 @@ def rep_order(configs: list[str], rep: int, mirror: bool) -> list[str]:
     return list(reversed(configs)) if mirror and rep % 2 else list(configs)
 
 
-def medians_line(rates: dict[str, list[float]]) -> str:
-    """Each configuration's median tokens/s over the repetitions, and its ratio to the first's."""
+def medians_line(rates: dict[str, list[float]], unit: str = "tok/s", digits: int = 1) -> str:
+    """Each configuration's median over the repetitions, and its ratio to the first's."""
     first = statistics.median(next(iter(rates.values())))
-    return "medians: " + ", ".join(f"{depth} {statistics.median(r):.1f} tok/s ({statistics.median(r) / first:.2f}x)"
+    return "medians: " + ", ".join(f"{depth} {statistics.median(r):.{digits}f} {unit} ({statistics.median(r) / first:.2f}x)"
                                    for depth, r in rates.items())
 
 
@@ -153,6 +173,7 @@ def main() -> None:
             print(f"ran {kind} first ({args.configs}), unmeasured", flush=True)
         rates: dict[str, list[float]] = {depth: [] for depth in args.configs.split(",")}
         from_start: dict[str, list[float]] = {depth: [] for depth in rates}
+        verify_per_token: dict[str, list[float]] = {depth: [] for depth in rates}
         for rep in range(args.reps):
             for depth in rep_order(list(rates), rep, args.mirror):
                 spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
@@ -169,7 +190,9 @@ def main() -> None:
                 used = {n: cpu_seconds(p) - before[n] for n, p in services.items()}
                 cpu = {n: round(100 * s / elapsed) for n, s in used.items()}
                 wait_idle(stub)
-                passes = passes_line(passes_before, target_work(stub), elapsed)
+                work = cell_work(passes_before, target_work(stub))
+                tokens = sum(r.tokens for r in records)
+                verify_per_token[depth].append(work.verify_ms / max(tokens, 1))
                 s = summarize(records, wall, window=window)
                 rates[depth].append(s["tokens_per_s"])
                 if window[0] > 0:  # the same records over the window from the start, as until 2026-12-05
@@ -182,10 +205,10 @@ def main() -> None:
                 print(f"rep {rep} {args.kind} c{args.concurrency} {depth}: {s['tokens_per_s']:.1f} tok/s, "
                       f"mean k {s['mean_k']:.2f}, k per step {ks}", flush=True)
                 print(f"    drafted {drafted}, accepted {accepted} ({accepted / max(drafted, 1):.2f}), tokens/step "
-                      f"{sum(r.tokens for r in records) / max(steps, 1):.2f}, ttft p50 "
+                      f"{tokens / max(steps, 1):.2f}, ttft p50 "
                       f"{ttft[len(ttft) // 2] * 1000 if ttft else float('nan'):.0f} ms, CPU % {cpu}, coordinator "
                       f"{1000 * used['coordinator'] / max(steps, 1):.2f} ms CPU a step", flush=True)
-                print(f"    {passes}", flush=True)
+                print(f"    {passes_line(work, elapsed, tokens)}", flush=True)
                 if args.show_steps:
                     for r in sorted(records, key=lambda r: r.done or r.sent):
                         print(f"      {r.prompt_id}: accepted {r.num_accepted_tokens}/{r.num_draft_tokens}, "
@@ -193,6 +216,8 @@ def main() -> None:
         print(medians_line(rates), flush=True)
         if all(from_start.values()):
             print("from the start, " + medians_line(from_start), flush=True)
+        print("verify time a token streamed (the decode work alone, without the prefills' swing), "
+              + medians_line(verify_per_token, "ms", 2), flush=True)
         gen.close()
     finally:
         stack.stop()
