@@ -38,6 +38,8 @@ def mixes(batch: int) -> dict[str, list[int]]:
         "a quarter at 3": [3] * quarter + [1] * (batch - quarter),
         "half at 5": [5] * half + [1] * (batch - half),
         "every row at 3": [3] * batch,
+        # fixed k = 2 at 16 code edits, but a third of the rows (edit-03's) at k = 0, as auto ran them
+        "two thirds at 3": [1 if b % 3 == 2 else 3 for b in range(batch)],
         "4 to 7": [4 + b % 4 for b in range(batch)],
         "k4, some short": [(5, 5, 3, 5, 1, 5, 5, 2)[b % 8] for b in range(batch)],
         "k4, one at 12": [12] + [(5, 5, 3, 5, 1, 5, 5, 2)[b % 8] for b in range(1, batch)],
