@@ -1,6 +1,7 @@
 """What a verify pass costs padded and packed, for batches whose rows bring blocks of different lengths.
 
     python scripts/bench_packed_passes.py [--batch 16] [--cached 300] [--reps 2] [--prefill 200,600]
+                                          [--mix NAME ...]
 
 Times one pass of the bundled target over `--batch` sessions with `--cached` tokens each, for
 several mixes of block lengths (plain decoding, one session verifying a block of 3 or 9 among
@@ -10,7 +11,12 @@ at 16 code edits with as many positions), three ways, interleaved, median of 7 p
 padded to the longest block (`BatchedForward(packed=False)`), packed
 (target_service/packed_attention.py) and packed with attention by rows (each row's first token
 in one call, the rest of each block in a call of its own: `grid_length` held at 1). Before
-timing, it checks that padded and packed give every row the same greedy tokens. Then a prefill of `--prefill` tokens from position 0, with the fused causal
+timing, it checks that padded and packed give every row the same greedy tokens. Odd repetitions
+run the mixes in reverse order, and the medians over the repetitions close the table: the
+machine's speed drifts by a quarter over a few minutes, and two repetitions in one order once
+showed a pass with a third of its rows at k = 0 costing as much as every row at k = 2, which
+five mirrored ones did not (docs/benchmarks.md, 2026-12-06). `--mix` times only the named
+mixes. Then a prefill of `--prefill` tokens from position 0, with the fused causal
 attention (`causal_attention`) and through the model's own attention with the explicit mask.
 """
 
@@ -68,6 +74,18 @@ def by_rows_ms(forward: BatchedForward, rows: list[RowInput]) -> float:
         packed_attention.grid_length = chosen
 
 
+def mirrored(names: list[str], rep: int) -> list[str]:
+    """The mixes in order on even repetitions and in reverse on odd ones, so that a drift of the
+    machine's speed over the run charges every mix alike in the medians."""
+    return list(reversed(names)) if rep % 2 else names
+
+
+def pass_line(name: str, blocks: list[int], ms: tuple[float, float, float]) -> str:
+    padded, packed, by_rows = ms
+    return (f"{name:<15} ({sum(blocks):>3} positions): padded {padded:6.1f} | packed {packed:6.1f} "
+            f"(grid of {packed_attention.grid_length(blocks)}) | by rows {by_rows:6.1f}")
+
+
 def prefill_ms(forward: BatchedForward, tokens: int, causal: bool, passes: int = 5) -> float:
     forward.wrapped = causal  # without the wrapper's causal path: the model's own attention and the mask
     slot = forward.pool.allocate()
@@ -86,6 +104,8 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=300, help="cached tokens per row")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--prefill", default="200,600", help="comma list of prompt lengths for the prefill timing")
+    parser.add_argument("--mix", action="append", default=None, choices=list(mixes(16)),
+                        help="time only this mix (repeatable; default all)")
     parser.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="onednn",
                         help="kernel of the linear layers, as the target service's flag (default onednn)")
     args = parser.parse_args()
@@ -97,17 +117,23 @@ def main() -> None:
     packed.pool.ensure_capacity(args.cached + 16)
     for _ in range(args.batch):
         packed.pool.allocate()
-    for name, blocks in mixes(args.batch).items():
+    selected = {name: blocks for name, blocks in mixes(args.batch).items() if args.mix is None or name in args.mix}
+    for name, blocks in selected.items():
         a, b = packed.run(rows_for(blocks, args.cached)), padded.run(rows_for(blocks, args.cached))
         if not all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b)):
             raise SystemExit(f"{name}: packed and padded passes disagree on a greedy token")
     print(f"batch {args.batch}, {args.cached} cached tokens per row, median of 7 passes (ms)")
+    timings: dict[str, list[tuple[float, float, float]]] = {name: [] for name in selected}
     for rep in range(args.reps):
-        for name, blocks in mixes(args.batch).items():
-            rows = rows_for(blocks, args.cached)
-            print(f"rep {rep + 1} {name:<15} ({sum(blocks):>3} positions): padded {pass_ms(padded, rows):6.1f} | "
-                  f"packed {pass_ms(packed, rows):6.1f} (grid of {packed_attention.grid_length(blocks)}) | "
-                  f"by rows {by_rows_ms(packed, rows):6.1f}", flush=True)
+        for name in mirrored(list(selected), rep):
+            blocks, rows = selected[name], rows_for(selected[name], args.cached)
+            timings[name].append((pass_ms(padded, rows), pass_ms(packed, rows), by_rows_ms(packed, rows)))
+            print(f"rep {rep + 1} {pass_line(name, blocks, timings[name][-1])}", flush=True)
+    if args.reps > 1:
+        print(f"medians over {args.reps} repetitions")
+        for name, blocks in selected.items():
+            padded_ms, packed_ms, rows_ms = (statistics.median(t[i] for t in timings[name]) for i in range(3))
+            print(f"      {pass_line(name, blocks, (padded_ms, packed_ms, rows_ms))}", flush=True)
     lengths = [int(n) for n in args.prefill.split(",") if n]
     if lengths:
         packed.pool.ensure_capacity(max(lengths) + 16)
