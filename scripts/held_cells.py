@@ -70,6 +70,10 @@ class CellWork:
     prefills: int
     prefill_ms: float
 
+    def verify_ms_a_token(self, tokens: int) -> float:
+        """The verify passes' time over the tokens the cell streamed."""
+        return self.verify_ms / max(tokens, 1)
+
 
 def cell_work(before: dict[int, tuple[int, float]], after: dict[int, tuple[int, float]]) -> CellWork:
     """The difference of two `target_work` readings."""
@@ -90,7 +94,7 @@ def passes_line(work: CellWork, wall_s: float, tokens: int) -> str:
         return "no verify passes" + prefill
     return (f"verify passes {work.passes}, mean rows {work.rows:.1f}, mean {work.verify_ms / work.passes:.1f} ms, "
             f"in passes {work.verify_ms / 10 / wall_s:.0f} % of the wall time, "
-            f"{work.verify_ms / max(tokens, 1):.2f} ms a token{prefill}")
+            f"{work.verify_ms_a_token(tokens):.2f} ms a token{prefill}")
 
 
 def rep_order(configs: list[str], rep: int, mirror: bool) -> list[str]:
@@ -192,7 +196,7 @@ def main() -> None:
                 wait_idle(stub)
                 work = cell_work(passes_before, target_work(stub))
                 tokens = sum(r.tokens for r in records)
-                verify_per_token[depth].append(work.verify_ms / max(tokens, 1))
+                verify_per_token[depth].append(work.verify_ms_a_token(tokens))
                 s = summarize(records, wall, window=window)
                 rates[depth].append(s["tokens_per_s"])
                 if window[0] > 0:  # the same records over the window from the start, as until 2026-12-05
