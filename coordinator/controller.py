@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 from coordinator.acceptance import CAP_MIN_TRIALS, MIN_SESSIONS, AcceptanceEstimator, SharedAcceptance
 from coordinator.cost_model import CostModel
 from coordinator.depth_math import (MIXTURE_TRIALS, Costs, LoadSignal, _argbest, acceptance_lower_bound,
-                                    batch_margin, best_depth, depth_rates, expected_tokens, load_penalty,
+                                    batch_margin, best_depth, best_reading, depth_rates, expected_tokens, load_penalty,
                                     mixture_tokens, packed_rates, pass_alphas, pass_rates, pass_sessions)
 from coordinator.pass_peers import PassPeers
 from coordinator.running_mean import RunningMean
@@ -395,9 +395,16 @@ class DepthController:
             profile = [acceptance_lower_bound(r, n, self.batch_z) for r, n in zip(profile, evidence)]
             alpha = acceptance_lower_bound(alpha, self.estimator.weight, self.batch_z)
         penalty = load_penalty(load)
-        plain, position = cm.verify_ms(1, b), cm.position_ms(b) * penalty
-        return packed_rates(alpha, cm.draft_costs(self.k_max), plain, position, b, self.k_max, fill, profile,
-                            jump_ms=self._jump_share(b, plain, position, optimistic) * penalty, expected=expected)
+        plain, draft = cm.verify_ms(1, b), cm.draft_costs(self.k_max)
+        readings = [(cm.position_ms(b), cm.packed_jump_ms(b))]
+        other = cm.jump_reading(b)
+        if other is not None:
+            readings.append(other)
+        rates = [packed_rates(alpha, draft, plain, position * penalty, b, self.k_max, fill, profile,
+                              jump_ms=self._jump_share(b, plain, position * penalty, optimistic, jump) * penalty,
+                              expected=expected)
+                 for position, jump in readings]
+        return best_reading(rates)
 
     def _mixture_tokens(self, fill: float) -> list[float] | None:
         """`mixture_tokens` for a session with fewer than MIXTURE_TRIALS trials of its own, over
@@ -416,8 +423,10 @@ class DepthController:
         self._mixture_last = (prior, (successes, trials, fill), expected)
         return expected
 
-    def _jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None = None) -> float:
-        """This session's share of `CostModel.packed_jump_ms`: none when a peer drafts (the pass
+    def _jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None = None,
+                    jump_ms: float | None = None) -> float:
+        """This session's share of the jump to a packed pass (`jump_ms`, by default
+        `CostModel.packed_jump_ms`): none when a peer drafts (the pass
         is packed anyway); else the jump split over the sessions whose first draft position pays
         on its own, acceptance x fill x plain_ms / b > position_ms, this one included. The pass
         pays the jump once for all of them: charged whole to each, no session of a batch would
@@ -430,11 +439,12 @@ class DepthController:
         the burst ran at k = 0 to the end at 0.8x fixed k = 4. The jump is fitted on passes where
         every row brought a block, so it holds each such row's own attention calls too: split
         over the batch, it is about what one row's block adds."""
-        return self._memoized(("jump", b, plain_ms, position_ms, optimistic),
-                              lambda: self._compute_jump_share(b, plain_ms, position_ms, optimistic))
+        jump = self.cost_model.packed_jump_ms(b) if jump_ms is None else jump_ms
+        return self._memoized(("jump", b, plain_ms, position_ms, optimistic, jump),
+                              lambda: self._compute_jump_share(b, plain_ms, position_ms, optimistic, jump))
 
-    def _compute_jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None) -> float:
-        jump = self.cost_model.packed_jump_ms(b)
+    def _compute_jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None,
+                            jump: float) -> float:
         if jump <= 0 or self.peers is None:
             return jump
         if self.peers.deepest(self._peer) > 0:

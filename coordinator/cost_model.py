@@ -81,6 +81,25 @@ def slope_by_precision(fitted: float, chord: float, points: list[tuple[float, fl
     return (fit_precision * fitted + chord_precision * chord) / (fit_precision + chord_precision)
 
 
+def jump_reading_line(chord: float, extra_per_row: float, mean_y: float,
+                      prior_slope: float) -> tuple[float, float] | None:
+    """The other reading of a packed batch's drafted passes where they average under `MIN_SPAN`
+    draft positions a row: their time beyond the plain pass as a jump to the drafted path plus
+    the prior's slope (`prior_slope`, per position a row), as the line (cost at no extra position,
+    slope); None where the passes hold a position a row or more, or the prior's slope is no
+    cheaper than the chord.
+
+    The chord (`CostModel._chord_slope`) charges that jump to the positions. Over a position or
+    more a row that bounds what a position costs; over a few positions in all, it is the jump. A
+    cold replica's first drafted passes at 16 rows held 1-3 positions at 142-148 ms against a
+    plain pass of 80: the chord priced a position at 35 ms where one costs 2-3, sessions at
+    acceptance 0.99 never drafted, and the passes that would have told the slope never came
+    (`DepthController._packed_rates` takes the better of the two readings)."""
+    if extra_per_row >= MIN_SPAN or extra_per_row <= 0 or prior_slope >= chord:
+        return None
+    return mean_y - prior_slope * extra_per_row, prior_slope
+
+
 class CostModel:
     """Draft and verify costs of one replica pair, measured online.
 
@@ -129,6 +148,7 @@ class CostModel:
         self._overhead = RunningMean()  # ms per verify step outside the pass, when the replica reports its pass time
         self._open = RunningMean()  # ms to open a draft session (a probe from k = 0 opens one)
         self._lines: dict[int, tuple[float, float]] = {}
+        self._jump_lines: dict[int, tuple[float, float] | None] = {}  # batch size -> `jump_reading`'s line
         self._draft_line: tuple[float, float] | None = None
         self._draft_costs: dict[int, tuple[float, ...]] = {}  # k_max -> draft_ms(0 .. k_max), until a draft is seen
         # the passes counted lately: their other rows' reports are skipped (a replica numbers its
@@ -165,7 +185,7 @@ class CostModel:
                 self.packed = packed
             cell = self._verify.setdefault(batch_size, {}).setdefault(extra, RunningMean())
             cell.add(_clip(ms, cell), self.window)
-            self._lines.clear()
+            self._forget_lines()
 
     def observe_step(self, k: int, draft_ms: float, verify_ms: float, batch_size: int, pass_block_length: int = 0,
                      compute_ms: float | None = None, open_ms: float = 0.0, pass_positions: int = 0,
@@ -246,7 +266,11 @@ class CostModel:
                     cell = self._verify.setdefault(b, {}).setdefault(extra, RunningMean())
                     cell.mean = (cell.mean * cell.count + float(mean) * count) / (cell.count + count)
                     cell.count = min(cell.count + count, self.window)
-                    self._lines.clear()
+                    self._forget_lines()
+
+    def _forget_lines(self) -> None:
+        self._lines.clear()
+        self._jump_lines.clear()
 
     # estimates
 
@@ -294,6 +318,8 @@ class CostModel:
         if prior_slope is None:
             prior_slope = m0 * scale
         fit = _fit_line(points) if _span(b, cells) >= MIN_SPAN else None
+        self._jump_lines[b] = None if fit is not None or chord is None else \
+            jump_reading_line(chord, mean_n - 1.0, mean_y, m0 * scale)
         if fit is None:
             slope = prior_slope
         elif chord is not None and chord > 0:  # data on both sides: each by what it can tell
@@ -435,6 +461,21 @@ class CostModel:
                 return 0.0
             intercept, _ = self._line(b)
             return max(intercept - cells[0].mean, 0.0)
+
+    def jump_reading(self, batch_size: int = 1) -> tuple[float, float] | None:
+        """(position_ms, packed_jump_ms) at `batch_size` under the other reading of drafted passes
+        too few positions long to tell a position's cost from the jump (`jump_reading_line`);
+        None where the passes tell it, or there is no such reading."""
+        b = max(int(batch_size), 1)
+        with self._lock:
+            plain = self._verify.get(b, {}).get(0)
+            if plain is None:
+                return None
+            self._line(b)
+            line = self._jump_lines.get(b)
+            if line is None:
+                return None
+            return line[1] / b, max(line[0] - plain.mean, 0.0)
 
     def draft_ms(self, k: int) -> float:
         """Estimated time for the draft to propose k tokens (0 for k = 0)."""

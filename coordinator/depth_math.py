@@ -236,6 +236,15 @@ def packed_rates(alpha: float, draft_cost_ms: Costs, plain_ms: float, position_m
     return rates
 
 
+def best_reading(rates_by_reading: Sequence[Sequence[float]]) -> list[float]:
+    """Each depth's rate under the reading of the costs that favours it most: where the passes
+    seen cannot tell two readings apart (`CostModel.jump_reading`), the depth is chosen as if the
+    kinder one held. A depth that pays only under the kinder reading is tried, and its passes
+    tell which holds; under the dearer one alone it would never be tried, and a cold replica
+    at 16 code edits ran without drafting to the end of its requests."""
+    return [max(rates) for rates in zip(*rates_by_reading)]
+
+
 def best_depth(
     alpha: float, draft_cost_ms: Costs, verify_cost_ms: Costs, k_max: int, margin: float = 0.05
 ) -> tuple[int, float]:

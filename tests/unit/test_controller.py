@@ -26,6 +26,7 @@ from coordinator.controller import (
     SharedAcceptance,
     acceptance_lower_bound,
     best_depth,
+    best_reading,
     depth_rates,
     expected_tokens,
     load_penalty,
@@ -37,7 +38,7 @@ from coordinator.controller import (
     pass_sessions,
     probe_period,
 )
-from coordinator.cost_model import slope_by_precision
+from coordinator.cost_model import jump_reading_line, slope_by_precision
 from coordinator.echo import EchoLookup, ShadowDraft, echo_guess, echo_hit
 from coordinator.running_mean import RunningMean
 from coordinator.step_reuse import StepReuse
@@ -315,6 +316,38 @@ def test_cells_within_a_position_a_row_price_a_position_by_the_chord_from_the_pl
     for extra in range(20, 200, 9):  # auto's mixed blocks: 2 ms a position
         one_pass(extra, 80.0 + 2.0 * extra)
     assert 1.5 < cm.position_ms(16) < 3.0
+
+
+def test_a_cold_replicas_first_few_draft_positions_do_not_price_a_position_at_the_jump() -> None:
+    """A fresh stack at 16 code edits: the opening wave's drafted passes held 1-3 positions at
+    142-148 ms against a plain pass's 80. The chord from the plain pass prices a position at 35 ms
+    where one costs 2-3, and sessions whose shadows say 0.99 stayed at k = 0 to the end, so no
+    pass ever told the slope. Read as a jump plus the prior's slope, those passes let the sessions
+    that gain most draft together, sharing the jump, and the passes that follow tell which holds."""
+    cm, one_pass = packed_pass_recorder_at_16()
+    for _ in range(20):
+        one_pass(0, 80.0)
+    for extra, ms in [(1, 142.0), (2, 145.0), (3, 148.0)] * 2:
+        one_pass(extra, ms)
+    assert cm.position_ms(16) > 20.0 and cm.packed_jump_ms(16) == 0.0  # the chord: jump as slope
+    position, jump = cm.jump_reading(16)
+    assert 1.5 < position < 4.5 and 50.0 < jump < 66.0
+    load = LoadSignal(0, 16)
+    copiers = controllers_on_one_replica([0.99] * 16, cm)
+    assert all(s.target(load) > 0 for s in copiers)
+    assert all(s.target(load) == 0 for s in controllers_on_one_replica([0.5] * 16, cm))  # a jump of 60 is not free
+    alone = controllers_on_one_replica([0.99] + [0.05] * 15, cm)
+    assert alone[0].target(load) == 0  # nobody to share the jump with
+    for extra in range(20, 200, 9):  # the passes that follow: 2 ms a position, a jump of 10
+        one_pass(extra, 90.0 + 2.0 * extra)
+    assert cm.jump_reading(16) is None and 1.5 < cm.position_ms(16) < 3.0
+
+
+def test_the_jump_reading_is_offered_only_where_the_passes_hold_under_a_position_a_row() -> None:
+    assert jump_reading_line(32.0, 0.125, 145.0, 3.0) == pytest.approx((145.0 - 0.375, 3.0))
+    assert jump_reading_line(32.0, 1.0, 145.0, 3.0) is None  # a position a row: the chord holds
+    assert jump_reading_line(2.0, 0.5, 145.0, 3.0) is None  # the chord is the kinder reading already
+    assert best_reading([[1.0, 2.0, 0.5], [1.0, 1.5, 3.0]]) == [1.0, 2.0, 3.0]
 
 
 def test_cells_a_position_or_two_a_row_apart_are_weighed_against_the_chord_by_their_noise() -> None:
