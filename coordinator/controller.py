@@ -35,7 +35,8 @@ from typing import Any, Callable, Mapping, Sequence
 from coordinator.acceptance import CAP_MIN_TRIALS, MIN_SESSIONS, AcceptanceEstimator, SharedAcceptance
 from coordinator.cost_model import CostModel
 from coordinator.depth_math import (MIXTURE_TRIALS, Costs, LoadSignal, _argbest, acceptance_lower_bound,
-                                    batch_margin, best_depth, best_reading, depth_rates, expected_tokens, load_penalty,
+                                    batch_choice, batch_margin, best_depth, best_reading,
+                                    depth_rates, expected_tokens, load_penalty,
                                     mixture_tokens, packed_rates, pass_alphas, pass_rates, pass_sessions)
 from coordinator.pass_peers import PassPeers
 from coordinator.running_mean import RunningMean
@@ -468,7 +469,8 @@ class DepthController:
         rates, b = self._rates(alpha, load, optimistic, fill)
         if b > 1:  # in a batch, depth grows by doubling what has been seen (`_depth_reach`)
             rates = rates[: self._depth_reach() + 1]
-        best = _argbest(rates, batch_margin(self.margin, b))
+        peer_depth = self.peers.deepest(self._peer) if self._packed(b) and self.peers is not None else 0
+        best = batch_choice(rates, batch_margin(self.margin, b), peer_depth)
         if optimistic is None and log.isEnabledFor(logging.DEBUG):
             cm = self.cost_model
             log.debug("depth: session %x step %d k %s alpha %.2f fill %.2f profile %s b %d verify %s draft %s "

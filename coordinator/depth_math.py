@@ -291,6 +291,27 @@ def batch_margin(margin: float, batch_size: int) -> float:
     return margin * math.sqrt(max(int(batch_size), 1))
 
 
+def batch_choice(rates: Sequence[float], margin: float, peer_depth: int) -> int:
+    """A session's depth in a packed batch: the best rate's k where it beats plain decoding by
+    `margin` (`batch_margin`), else, where a peer of the pass already drafts `peer_depth` >= that
+    k, the best k at no margin at all.
+
+    The margin keeps a session off where the model's gain may be noise, because a wrong "on"
+    lengthens every row's pass. A block no longer than a peer's adds least to a pass: the jump to
+    the drafted path is paid already, and packed attention runs the short blocks in the grid the
+    longer rows set (`target_service/packed_attention.grid_length`), so the block adds its
+    token-wise work and little else. At 16 code edits the margin held half of auto's steps at
+    k = 0 at acceptance 0.56-0.63, where the model's gain at k = 1 was 3-13 % and fixed k = 2
+    did 0.84-0.90x speculation off's verify work a token (docs/benchmarks.md, "A cold replica
+    drafts, and a block within a peer's")."""
+    k = _argbest(rates, margin)
+    if k == 0 and peer_depth > 0:
+        free = _argbest(rates, 0.0)
+        if free <= peer_depth:
+            return free
+    return k
+
+
 def _argbest(rates: Sequence[float], margin: float) -> int:
     k = max(range(len(rates)), key=lambda i: (rates[i], -i))
     return 0 if k > 0 and rates[k] < rates[0] * (1.0 + margin) else k

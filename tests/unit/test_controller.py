@@ -25,6 +25,7 @@ from coordinator.controller import (
     PassPeers,
     SharedAcceptance,
     acceptance_lower_bound,
+    batch_choice,
     best_depth,
     best_reading,
     depth_rates,
@@ -1416,6 +1417,32 @@ def test_an_echoing_session_probes_though_no_peer_has_drafted_yet() -> None:
         copier.observe(0, 0, 0.0, 110.0, 16, pass_positions=16, packed=True, echo=True)
     assert copier.choose(load) >= 1
     assert sessions[1].target(load) == 0  # the policy itself still charges a lone drafter the whole jump
+
+
+def test_a_block_within_a_peers_drafts_without_the_batch_margin() -> None:
+    assert batch_choice([10.0, 11.0, 10.5], 0.2, 0) == 0  # a 10 % gain, inside the margin
+    assert batch_choice([10.0, 11.0, 10.5], 0.2, 1) == 1  # a peer drafts as deep: no margin
+    assert batch_choice([10.0, 11.0, 10.5], 0.2, 4) == 1
+    assert batch_choice([10.0, 10.5, 11.5], 0.2, 1) == 0  # deeper than any peer: the margin holds
+    assert batch_choice([10.0, 9.0, 8.0], 0.2, 4) == 0  # no gain at all
+    assert batch_choice([10.0, 13.0, 12.0], 0.2, 0) == 1  # past the margin, as before
+
+
+def test_in_a_packed_batch_a_modest_session_drafts_once_a_peer_drafts_as_deep() -> None:
+    """Code edits at 16 sessions: half of auto's steps sat at k = 0 at acceptance about 0.6, where
+    a block of 1 gained 3-13 % (inside the 20 % batch margin) and fixed k = 2 beat auto. A block
+    no longer than a peer's adds only its token-wise work to a pass already drafted: no margin."""
+    cm = packed_cost_model()
+    load = LoadSignal(0, 16)
+    sessions = controllers_on_one_replica([0.7] + [0.05] * 15, cm)
+    modest = sessions[0]
+    rates, _ = modest._rates(0.7, load, None, None)
+    assert rates[0] < max(rates[1:]) < 1.2 * rates[0]  # it gains, inside the margin
+    assert modest.target(load) == 0
+    sessions[1]._commit(2)
+    assert 1 <= modest.target(load) <= 2
+    sessions[1]._commit(0)
+    assert modest.target(load) == 0
 
 
 def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts() -> None:
