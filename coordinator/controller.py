@@ -397,15 +397,22 @@ class DepthController:
             alpha = acceptance_lower_bound(alpha, self.estimator.weight, self.batch_z)
         penalty = load_penalty(load)
         plain, draft = cm.verify_ms(1, b), cm.draft_costs(self.k_max)
-        readings = [(cm.position_ms(b), cm.packed_jump_ms(b))]
-        other = cm.jump_reading(b)
-        if other is not None:
-            readings.append(other)
+        readings = self._memoized(("readings", b), lambda: self._cost_readings(b))
         rates = [packed_rates(alpha, draft, plain, position * penalty, b, self.k_max, fill, profile,
                               jump_ms=self._jump_share(b, plain, position * penalty, optimistic, jump) * penalty,
                               expected=expected)
                  for position, jump in readings]
         return best_reading(rates)
+
+    def _cost_readings(self, b: int) -> list[tuple[float, float]]:
+        """(position_ms, jump_ms) at b as the cost model reads its passes, and its other reading
+        where the passes cannot tell the two apart (`CostModel.jump_reading`)."""
+        cm = self.cost_model
+        readings = [(cm.position_ms(b), cm.packed_jump_ms(b))]
+        other = cm.jump_reading(b)
+        if other is not None:
+            readings.append(other)
+        return readings
 
     def _mixture_tokens(self, fill: float) -> list[float] | None:
         """`mixture_tokens` for a session with fewer than MIXTURE_TRIALS trials of its own, over
