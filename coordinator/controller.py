@@ -455,7 +455,7 @@ class DepthController:
                             jump: float) -> float:
         if jump <= 0 or self.peers is None:
             return jump
-        if self.peers.deepest(self._peer) > 0:
+        if self._peer_depth() > 0:
             return 0.0
         pays = position_ms * b / plain_ms if plain_ms > 0 else 1.0
         sharing = 1 + sum(1 for a, fill in self.peers.others_with_fills(self._peer, optimistic) if a * fill > pays)
@@ -476,8 +476,7 @@ class DepthController:
         rates, b = self._rates(alpha, load, optimistic, fill)
         if b > 1:  # in a batch, depth grows by doubling what has been seen (`_depth_reach`)
             rates = rates[: self._depth_reach() + 1]
-        peer_depth = self.peers.deepest(self._peer) if self._packed(b) and self.peers is not None else 0
-        best = batch_choice(rates, batch_margin(self.margin, b), peer_depth)
+        best = batch_choice(rates, batch_margin(self.margin, b), self._peer_depth() if self._packed(b) else 0)
         if optimistic is None and log.isEnabledFor(logging.DEBUG):
             cm = self.cost_model
             log.debug("depth: session %x step %d k %s alpha %.2f fill %.2f profile %s b %d verify %s draft %s "
@@ -506,6 +505,14 @@ class DepthController:
             return self._choose(load, remaining)
         finally:
             self._memo = None
+
+    def _peer_depth(self) -> int:
+        """The deepest block another session of this replica drafts (0 with no peers), read once
+        a step: the policy, the jump's share and the probe's depth each ask for it."""
+        if self.peers is None:
+            return 0
+        peers = self.peers
+        return self._memoized(("peer depth",), lambda: peers.deepest(self._peer))
 
     def _memoized(self, key: tuple, compute: Callable[[], Any]) -> Any:
         """`compute()`, once per key within one choose(). A session at k = 0 in a batch of 16
@@ -629,7 +636,7 @@ class DepthController:
             return self.probe_k
         if self.peers is None or b <= 1:
             return max(self.probe_k, echoed)
-        deepest = self.peers.deepest(self._peer)
+        deepest = self._peer_depth()
         if deepest > 0:
             return min(self.probe_k, deepest)
         plain_ms = self.cost_model.verify_ms(1, b)
