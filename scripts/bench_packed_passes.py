@@ -51,6 +51,8 @@ def mixes(batch: int) -> dict[str, list[int]]:
         "k4, one at 12": [12] + [(5, 5, 3, 5, 1, 5, 5, 2)[b % 8] for b in range(1, batch)],
         # as many positions as "every row at 5", in blocks like auto's at 16 code edits
         "every row at 5": [5] * batch,
+        # auto's blocks at 16 code edits on 2026-12-06: a third of the rows at k = 0, the rest at 2-5
+        "auto's code edits": [(1, 1, 1, 1, 1, 1, 3, 3, 4, 5, 5, 5, 6, 6, 3, 3)[b % 16] for b in range(batch)],
         "ragged, as at 5": [(2, 2, 2, 2, 2, 2, 2, 2, 3, 4, 6, 7, 9, 10, 12, 13)[b % 16] for b in range(batch)],
     }
 
