@@ -11,7 +11,8 @@ The pieces, each small and testable alone:
   computed once per set of recent sessions: `MixturePrior`), `depth_rates`,
   `pass_rates` (with each session's fill, the share of the asked tokens its proposer drafts),
   `packed_rates` (a session in a packed pass, where its block costs only its own positions),
-  `pass_sessions`, `best_depth`, `load_penalty`;
+  `pass_sessions`, `best_depth`, `best_reading` (the kinder of the cost model's readings),
+  `batch_choice` (a depth in a packed batch), `load_penalty`;
 - coordinator/acceptance.py: `AcceptanceEstimator`, per-session acceptance, a moving average per
   draft position; `SharedAcceptance`, the same across a method's sessions on a replica;
 - coordinator/cost_model.py: `CostModel`, per-replica draft and verify costs measured online (one
@@ -35,9 +36,9 @@ from typing import Any, Callable, Mapping, Sequence
 from coordinator.acceptance import CAP_MIN_TRIALS, MIN_SESSIONS, AcceptanceEstimator, SharedAcceptance
 from coordinator.cost_model import CostModel
 from coordinator.depth_math import (MIXTURE_TRIALS, Costs, LoadSignal, _argbest, acceptance_lower_bound,
-                                    batch_choice, batch_margin, best_depth, best_reading,
-                                    depth_rates, expected_tokens, load_penalty,
-                                    mixture_tokens, packed_rates, pass_alphas, pass_rates, pass_sessions)
+                                    batch_choice, batch_margin, best_depth, best_reading, depth_rates,
+                                    expected_tokens, load_penalty, mixture_tokens, packed_rates, pass_alphas,
+                                    pass_rates, pass_sessions)
 from coordinator.pass_peers import PassPeers
 from coordinator.running_mean import RunningMean
 from coordinator.step_reuse import StepReuse
@@ -55,8 +56,10 @@ __all__ = [
     "PassPeers",
     "SharedAcceptance",
     "acceptance_lower_bound",
+    "batch_choice",
     "batch_margin",
     "best_depth",
+    "best_reading",
     "depth_rates",
     "expected_tokens",
     "load_penalty",
