@@ -27,6 +27,7 @@ import grpc
 from coordinator.bench import HF_TARGET, hf_systems
 from coordinator.loadgen import (LoadGenerator, LoadSpec, k_over_time, poisson_arrivals, step_rate, summarize,
                                  window_tokens)
+from coordinator.target_work import CellWork, cell_work, target_work
 from specd.launcher import start_stack
 from specd.models import load_model, save_tiny_random_model
 from specd.workloads import default_prompts_path, load_prompts
@@ -126,6 +127,8 @@ def run_bench_load(args: argparse.Namespace) -> int:
     tps: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     p50: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     mean_k: dict = defaultdict(lambda: defaultdict(list))
+    # the target's verify ms a token streamed and mean prefill ms, per fixed-work cell (`cell_decode_work`)
+    work: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     hf_tps: dict[str, list[float]] = defaultdict(list)
     useless: dict[str, list[float]] = defaultdict(list)
     errors = 0
@@ -154,6 +157,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
                     if conc == 1 and args.c1_passes > 1:  # every prompt once per pass, passes interleaved
                         split = [len(gens[kind].prompts)] * args.c1_passes
                     parts: dict[str, list] = defaultdict(list)
+                    done: dict[str, list[tuple[CellWork, int]]] = defaultdict(list)
                     order = cell_order(configs + ([(HF_TARGET, "")] if conc == 1 and hf_interleaved else []), run)
                     if split is not None:  # fixed work in parts, interleaved (`interleaved`)
                         for (name, depth), n in interleaved(order, split):
@@ -161,7 +165,10 @@ def run_bench_load(args: argparse.Namespace) -> int:
                                 parts[name].append(_hf_pass(hf, kind_prompts, encoded))
                                 continue
                             spec = LoadSpec.for_depth(args.method, depth, args.max_tokens)
+                            before = target_work(target_stub)
                             parts[name].append(_fixed_work(gens[kind], conc, n, spec, target_stub))
+                            done[name].append((cell_work(before, target_work(target_stub)),
+                                               sum(r.tokens for r in parts[name][-1][0])))
                     if HF_TARGET in parts:
                         hf_tps[kind].append(sum(t for t, _ in parts[HF_TARGET]) / sum(w for _, w in parts[HF_TARGET]))
                         order = [config for config in order if config[0] != HF_TARGET]
@@ -177,6 +184,8 @@ def run_bench_load(args: argparse.Namespace) -> int:
                         p50[kind][conc][name].append(s["itl_ms_p50"] or 0.0)
                         if name == AUTO:
                             mean_k[kind][conc].append(s["mean_k"])
+                        if done.get(name):
+                            work[kind][conc][name].append(cell_decode_work(done[name]))
                         line[name] = f"{name} {s['tokens_per_s']:.1f}" + (f" (k {s['mean_k']:.1f})" if name == AUTO else "")
                     print(f"run {run + 1}: {kind:<10} c{conc:<3} " + " | ".join(line[n] for n, _ in configs),
                           file=sys.stderr, flush=True)
@@ -196,7 +205,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
             g.close()
     finally:
         stack.stop()
-    report = _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ramp, args, errors)
+    report = _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ramp, args, errors, work)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-load.json").write_text(json.dumps(report, indent=1))
@@ -302,6 +311,20 @@ def _fixed_work(gen: LoadGenerator, concurrency: int, requests: int, spec: LoadS
     held = gen.closed_loop_held(concurrency, requests, spec, lead_in=concurrency)
     wait_idle(target_stub)
     return held
+
+
+def cell_decode_work(parts: Sequence[tuple[CellWork, int]]) -> tuple[float, float]:
+    """(verify ms a token streamed, mean prefill ms) of a fixed-work cell's parts, each the
+    target's work during the part (`cell_work`) and the tokens its requests streamed, lead-in
+    included: the verify passes are the work the depth decides; the prefills, one per request in
+    every configuration, are the machine's swing (at 16 code edits two thirds of the wall time,
+    and 253 against 275 ms a prefill in two cells back to back), which tokens/s carries and this
+    does not."""
+    verify_ms = sum(w.verify_ms for w, _ in parts)
+    tokens = sum(n for _, n in parts)
+    prefills = sum(w.prefills for w, _ in parts)
+    prefill_ms = sum(w.prefill_ms for w, _ in parts)
+    return round(verify_ms / max(tokens, 1), 3), round(prefill_ms / prefills, 1) if prefills else 0.0
 
 
 def summarize_parts(parts: Sequence[tuple[list, tuple[float, float]]]) -> dict:
@@ -472,7 +495,8 @@ def _median_ratio(values: list[float | None]) -> float | None:
     return round(statistics.median(known), 3) if known else None
 
 
-def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ramp, args, errors) -> dict:
+def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ramp, args, errors,
+            work: dict | None = None) -> dict:
     cells = {kind: {str(c): {name: _median(tps[kind][c][name]) for name, _ in configs} for c in levels} for kind in kinds}
     lat = {kind: {str(c): {name: _median(p50[kind][c][name]) for name, _ in configs} for c in levels} for kind in kinds}
     checks = target_checks(cells, {kind: _median(hf_tps[kind]) for kind in kinds}, levels, fixed)
@@ -484,6 +508,7 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
         "useless_draft_auto_vs_off": round(_median(useless[AUTO]) / _median(useless[OFF]), 3) if useless.get(OFF) else None,
         "checks": checks,
         "paired": paired_checks(kinds, levels, fixed, configs, tps, hf_tps, useless),
+        "decode_work": decode_work_report(kinds, levels, configs, work or {}),
         "ramp": ramp, "errors": errors,
         "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "method": args.method,
                      "concurrency": levels, "fixed_k": fixed, "pipeline": args.pipeline,
@@ -492,6 +517,22 @@ def _report(kinds, levels, fixed, configs, tps, p50, mean_k, hf_tps, useless, ra
                      "held_lead_in": getattr(args, "held_lead_in", True),  # False: a report from before it
                      "c1_passes": args.c1_passes, "first_run": args.first_run},
     }
+
+
+def decode_work_report(kinds, levels, configs, work: dict) -> dict:
+    """Per kind, level and configuration the median over runs of the cell's verify ms a token
+    streamed and of its mean prefill ms (`cell_decode_work`), as {"verify_ms_a_token": ...,
+    "prefill_ms": ...}; cells without fixed-work readings are left out."""
+    out: dict = {"verify_ms_a_token": {}, "prefill_ms": {}}
+    for kind in kinds:
+        for c in levels:
+            for name, _ in configs:
+                readings = work.get(kind, {}).get(c, {}).get(name) or []
+                if not readings:
+                    continue
+                for i, field in enumerate(("verify_ms_a_token", "prefill_ms")):
+                    out[field].setdefault(kind, {}).setdefault(str(c), {})[name] = _median([r[i] for r in readings])
+    return out
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -506,6 +547,7 @@ def merge_reports(reports: list[dict]) -> dict:
     tps: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     p50: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     mean_k: dict = defaultdict(lambda: defaultdict(list))
+    work: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     hf: dict = defaultdict(list)
     useless: dict = defaultdict(list)
     lead_in = first["settings"].get("held_lead_in", False)
@@ -521,6 +563,10 @@ def merge_reports(reports: list[dict]) -> dict:
                 for name in names:
                     tps[kind][c][name].append(report["tokens_per_s"][kind][str(c)][name])
                     p50[kind][c][name].append(report["itl_ms_p50"][kind][str(c)][name])
+                    decode = report.get("decode_work", {})  # none in reports before 2026-12-06
+                    verify = decode.get("verify_ms_a_token", {}).get(kind, {}).get(str(c), {}).get(name)
+                    if verify is not None:
+                        work[kind][c][name].append((verify, decode["prefill_ms"][kind][str(c)][name]))
                 mean_k[kind][c].append(report["auto_mean_k"][kind][str(c)])
             hf[kind].append(report["transformers_target_only_tokens_per_s"][kind])
         for name, value in report["useless_draft_c1_tokens_per_s"].items():
@@ -530,7 +576,7 @@ def merge_reports(reports: list[dict]) -> dict:
                                      first_run=[r["settings"].get("first_run", 0) for r in reports]))
     fixed = [int(k) for k in first["settings"]["fixed_k"]]
     return _report(kinds, levels, fixed, [(name, "") for name in names], tps, p50, mean_k, hf, useless,
-                   reports[-1]["ramp"], args, sum(r["errors"] for r in reports))
+                   reports[-1]["ramp"], args, sum(r["errors"] for r in reports), work)
 
 
 def render(report: dict) -> str:
@@ -595,6 +641,7 @@ def render(report: dict) -> str:
         lines += ["", f"Useless draft, auto vs off: {ratio_text(paired['useless_draft_auto_vs_off'])}"]  # not a table row
         lines += ["", "Against the issue's targets, on each run's own ratios (their medians):", ""]
         lines += [f"- {line}" for line in target_tally(paired["checks"], paired["useless_draft_auto_vs_off"], lo, hi)]
+    lines += decode_work_lines(report.get("decode_work") or {})
     u = report["useless_draft_c1_tokens_per_s"]
     if u:
         lines += ["", "Useless draft (tiny random draft model, c1): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in u.items())
@@ -606,6 +653,31 @@ def render(report: dict) -> str:
                      f"{r['itl_ms_p99']} ms, mean k {r['mean_k']}")
     lines.append(f"Errors: {report['errors']}")
     return "\n".join(lines) + "\n"
+
+
+def decode_work_lines(decode: dict) -> list[str]:
+    """The report's table of the target's verify ms a token streamed per cell (the work the depth
+    decides) and mean prefill ms (the machine's swing, the same work in every configuration), with
+    auto's verify work against speculation off's and the least of the fixed k's; none without
+    readings."""
+    verify, prefill = decode.get("verify_ms_a_token") or {}, decode.get("prefill_ms") or {}
+    if not verify:
+        return []
+    lines = ["", "The target's verify ms a token streamed (prefill mean ms), medians over the runs; auto's verify "
+                 "work against speculation off's and the fixed k's least (below 1: less work a token):", ""]
+    configs = list(next(iter(next(iter(verify.values())).values())))
+    lines.append("| kind | c | " + " | ".join(configs) + " | auto/off | auto/least fixed |")
+    lines.append("|---|---|" + "---|" * (len(configs) + 2))
+    for kind, rows in verify.items():
+        for c, cell in rows.items():
+            fixed = [v for n, v in cell.items() if n not in (OFF, AUTO)]
+            auto = cell.get(AUTO)
+            vs_off = ratio_text(_ratio(auto, cell[OFF])) if auto is not None and OFF in cell else "-"
+            vs_fixed = ratio_text(_ratio(auto, min(fixed))) if auto is not None and fixed else "-"
+            lines.append(f"| {kind} | {c} | " + " | ".join(
+                f"{cell[n]:.2f} ({prefill[kind][c][n]:.0f})" if n in cell else "-" for n in configs)
+                + f" | {vs_off} | {vs_fixed} |")
+    return lines
 
 
 def plots(report: dict, out: Path) -> None:

@@ -29,7 +29,6 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -37,51 +36,16 @@ import psutil
 
 from coordinator.bench_load import wait_idle
 from coordinator.loadgen import LoadGenerator, LoadSpec, summarize
+from coordinator.target_work import CellWork, cell_work, target_work
 from specd.launcher import start_stack
 from specd.models import load_model, save_tiny_random_model
 from specd.workloads import default_prompts_path, load_prompts, prompts_of_kind
-from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.v1 import target_pb2_grpc
 
 
 def cpu_seconds(process: psutil.Process) -> float:
     times = process.cpu_times()
     return times.user + times.system
-
-
-def target_work(stub: target_pb2_grpc.TargetServiceStub) -> dict[int, tuple[int, float]]:
-    """The target's verify passes so far by rows: rows -> (passes, total ms), and its prefills
-    under rows 0."""
-    stats = stub.GetStats(target_pb2.GetStatsRequest(), timeout=5)
-    totals: dict[int, tuple[int, float]] = {0: (stats.prefills, stats.prefill_ms)}
-    for row in stats.verify_latency:
-        count, ms = totals.get(row.batch_size, (0, 0.0))
-        totals[row.batch_size] = (count + row.count, ms + row.count * row.mean_ms)
-    return totals
-
-
-@dataclass(frozen=True)
-class CellWork:
-    """What the target did during one cell: its verify passes (count, mean rows, total ms) and
-    its prefills (count, total ms)."""
-
-    passes: int
-    rows: float
-    verify_ms: float
-    prefills: int
-    prefill_ms: float
-
-    def verify_ms_a_token(self, tokens: int) -> float:
-        """The verify passes' time over the tokens the cell streamed."""
-        return self.verify_ms / max(tokens, 1)
-
-
-def cell_work(before: dict[int, tuple[int, float]], after: dict[int, tuple[int, float]]) -> CellWork:
-    """The difference of two `target_work` readings."""
-    done = {b: (c - before.get(b, (0, 0.0))[0], ms - before.get(b, (0, 0.0))[1]) for b, (c, ms) in after.items()}
-    prefills, prefill_ms = done.pop(0, (0, 0.0))
-    count = sum(c for c, _ in done.values())
-    rows = sum(b * c for b, (c, _) in done.items()) / count if count > 0 else 0.0
-    return CellWork(count, rows, sum(ms for _, ms in done.values()), prefills, prefill_ms)
 
 
 def passes_line(work: CellWork, wall_s: float, tokens: int) -> str:

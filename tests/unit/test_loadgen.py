@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.bench_load import (best_fixed, cell_order, cell_requests, cell_window, held_out_choices, interleaved,
-                                   target_tally,
-                                   merge_reports, render, split_requests, summarize_parts, useless_draft_cells)
+from coordinator.bench_load import (best_fixed, cell_decode_work, cell_order, cell_requests, cell_window,
+                                   held_out_choices, interleaved, target_tally, merge_reports, render, split_requests, summarize_parts, useless_draft_cells)
 from coordinator.loadgen import (SLO, RequestRecord, held_window, k_over_time, percentile, poisson_arrivals, step_rate,
                                  summarize, window_tokens)
+from coordinator.target_work import CellWork
 
 
 def test_poisson_arrivals_have_the_asked_rate_and_are_seeded() -> None:
@@ -315,3 +315,27 @@ def test_the_report_tallies_the_targets_on_the_medians_and_on_each_runs_ratios()
     assert "- c16: auto >= 0.97x speculation off: 1 of 1 kinds" in text  # 22 / 20
     assert "Against the issue's targets, on each run's own ratios (their medians):" in text
     assert "- c1: auto >= 0.95x the best fixed k: 1 of 1 kinds" in text
+
+
+def test_a_cells_decode_work_is_its_verify_time_over_every_token_and_its_mean_prefill() -> None:
+    parts = [(CellWork(passes=10, rows=16.0, verify_ms=600.0, prefills=20, prefill_ms=5000.0), 150),
+             (CellWork(passes=8, rows=15.0, verify_ms=450.0, prefills=20, prefill_ms=5400.0), 150)]
+    assert cell_decode_work(parts) == (3.5, 260.0)
+    assert cell_decode_work([(CellWork(0, 0.0, 0.0, 0, 0.0), 0)]) == (0.0, 0.0)
+
+
+def test_reports_carry_the_cells_decode_work_and_merge_it_where_every_report_has_it() -> None:
+    """The verify ms a token per cell (the work the depth decides, without the prefills' swing):
+    medians over reports, auto against off and the least fixed k's; a report from before it has
+    none and merges without it."""
+    reports = [_report_of(10.0, 18.0, 9.0), _report_of(30.0, 22.0, 11.0), _report_of(20.0, 30.0, 13.0)]
+    for report, auto_ms in zip(reports, (4.4, 4.0, 4.2)):
+        cells = {"off": 4.0, "k4": 4.1, "auto": auto_ms}
+        report["decode_work"] = {"verify_ms_a_token": {"chat": {"16": dict(cells)}},
+                                 "prefill_ms": {"chat": {"16": {n: 250.0 for n in cells}}}}
+    merged = merge_reports(reports)
+    assert merged["decode_work"]["verify_ms_a_token"]["chat"]["16"] == {"off": 4.0, "k4": 4.1, "auto": 4.2}
+    assert "| chat | 16 | 4.00 (250) | 4.10 (250) | 4.20 (250) | 1.05x | 1.02x |" in render(merged)
+    old = merge_reports([_report_of(10.0, 18.0, 9.0)])
+    assert old["decode_work"] == {"verify_ms_a_token": {}, "prefill_ms": {}}
+    assert "verify ms a token" not in render(old)
