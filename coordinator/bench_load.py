@@ -607,37 +607,34 @@ def render(report: dict) -> str:
             lines.append(f"| {kind} | {c} | " + " | ".join(f"{cell[n]:.1f} ({lat[n]:.0f})" for n in configs)
                          + f" | {report['auto_mean_k'][kind][c]:.2f} |")
     lo, hi = f"c{s['concurrency'][0]}", f"c{s['concurrency'][-1]}"
-    lines += ["", f"| kind | transformers target-only tok/s | {lo}: off vs transformers | {lo}: auto vs transformers | "
-                  f"{lo}: auto vs best fixed k | {hi}: auto vs off | {hi}: auto vs best fixed k |",
-              "|---|---|---|---|---|---|---|"]
-
-    for kind, c in report["checks"].items():
-        lines.append(f"| {kind} | {report['transformers_target_only_tokens_per_s'][kind]:.1f} | "
-                     f"{ratio_text(c['low_off_vs_transformers_target_only'])} | "
-                     f"{ratio_text(c['low_auto_vs_transformers_target_only'])} | "
-                     f"{ratio_text(c['low_auto_vs_best_fixed'])} ({c['low_best_fixed']}) | "
-                     f"{ratio_text(c['high_auto_vs_off'])} | "
-                     f"{ratio_text(c['high_auto_vs_best_fixed'])} ({c['high_best_fixed']}) |")
+    lines += [""] + table_lines(
+        ["kind", "transformers target-only tok/s", f"{lo}: off vs transformers", f"{lo}: auto vs transformers",
+         f"{lo}: auto vs best fixed k", f"{hi}: auto vs off", f"{hi}: auto vs best fixed k"],
+        [[kind, f"{report['transformers_target_only_tokens_per_s'][kind]:.1f}",
+          ratio_text(c["low_off_vs_transformers_target_only"]), ratio_text(c["low_auto_vs_transformers_target_only"]),
+          f"{ratio_text(c['low_auto_vs_best_fixed'])} ({c['low_best_fixed']})", ratio_text(c["high_auto_vs_off"]),
+          f"{ratio_text(c['high_auto_vs_best_fixed'])} ({c['high_best_fixed']})"]
+         for kind, c in report["checks"].items()])
     lines += ["", "Against the issue's targets, on these ratios:", ""]
     lines += [f"- {line}" for line in target_tally(report["checks"], report.get("useless_draft_auto_vs_off"), lo, hi)]
     paired = report.get("paired") or {}
     if paired.get("runs", 0) > 1:
         lines += ["", f"Each run's own ratios (a configuration against the others measured beside it), median over "
-                      f"the {paired['runs']} runs:", "",
-                  f"| kind | {lo}: auto vs transformers | {lo}: auto vs best fixed k | {hi}: auto vs off | "
-                  f"{hi}: auto vs best fixed k |", "|---|---|---|---|---|"]
-        for kind, c in paired["checks"].items():
-            lines.append(f"| {kind} | {ratio_text(c['low_auto_vs_transformers_target_only'])} | "
-                         f"{ratio_text(c['low_auto_vs_best_fixed'])} | {ratio_text(c['high_auto_vs_off'])} | "
-                         f"{ratio_text(c['high_auto_vs_best_fixed'])} |")
+                      f"the {paired['runs']} runs:", ""]
+        lines += table_lines(
+            ["kind", f"{lo}: auto vs transformers", f"{lo}: auto vs best fixed k", f"{hi}: auto vs off",
+             f"{hi}: auto vs best fixed k"],
+            [[kind, ratio_text(c["low_auto_vs_transformers_target_only"]), ratio_text(c["low_auto_vs_best_fixed"]),
+              ratio_text(c["high_auto_vs_off"]), ratio_text(c["high_auto_vs_best_fixed"])]
+             for kind, c in paired["checks"].items()])
         lines += ["", "Auto against the fixed k an operator would have picked from the other runs (each run's k chosen "
                       "on the medians of the rest, `held_out_choices`: a best of noisy cells chosen on the cells it "
-                      "is then measured on reads high by their noise), median over the runs:", "",
-                  f"| kind | {lo}: auto vs held-out best fixed k | {hi}: auto vs held-out best fixed k |", "|---|---|---|"]
-        for kind, c in paired["checks"].items():
-            lines.append(f"| {kind} | {ratio_text(c['low_auto_vs_held_out_fixed'])} "
-                         f"({', '.join(c['low_held_out_fixed'])}) | {ratio_text(c['high_auto_vs_held_out_fixed'])} "
-                         f"({', '.join(c['high_held_out_fixed'])}) |")
+                      "is then measured on reads high by their noise), median over the runs:", ""]
+        lines += table_lines(
+            ["kind", f"{lo}: auto vs held-out best fixed k", f"{hi}: auto vs held-out best fixed k"],
+            [[kind, f"{ratio_text(c['low_auto_vs_held_out_fixed'])} ({', '.join(c['low_held_out_fixed'])})",
+              f"{ratio_text(c['high_auto_vs_held_out_fixed'])} ({', '.join(c['high_held_out_fixed'])})"]
+             for kind, c in paired["checks"].items()])
         lines += ["", f"Useless draft, auto vs off: {ratio_text(paired['useless_draft_auto_vs_off'])}"]  # not a table row
         lines += ["", "Against the issue's targets, on each run's own ratios (their medians):", ""]
         lines += [f"- {line}" for line in target_tally(paired["checks"], paired["useless_draft_auto_vs_off"], lo, hi)]
@@ -653,6 +650,15 @@ def render(report: dict) -> str:
                      f"{r['itl_ms_p99']} ms, mean k {r['mean_k']}")
     lines.append(f"Errors: {report['errors']}")
     return "\n".join(lines) + "\n"
+
+
+def table_lines(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table, without the columns whose header repeats an earlier one's: a bench of one
+    concurrency level has the same level for the low and the high targets (`c16: auto vs best
+    fixed k` twice, with the same ratio)."""
+    keep = [i for i, name in enumerate(header) if name not in header[:i]]
+    lines = ["| " + " | ".join(header[i] for i in keep) + " |", "|" + "---|" * len(keep)]
+    return lines + ["| " + " | ".join(row[i] for i in keep) + " |" for row in rows]
 
 
 def decode_work_lines(decode: dict) -> list[str]:

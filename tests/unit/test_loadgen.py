@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from coordinator.bench_load import (best_fixed, cell_decode_work, cell_order, cell_requests, cell_window,
-                                   held_out_choices, interleaved, target_tally, merge_reports, render, split_requests, summarize_parts, useless_draft_cells)
+                                   held_out_choices, interleaved, target_tally, merge_reports, render, split_requests,
+                                   summarize_parts, table_lines, useless_draft_cells)
 from coordinator.loadgen import (SLO, RequestRecord, held_window, k_over_time, percentile, poisson_arrivals, step_rate,
                                  summarize, window_tokens)
 from coordinator.target_work import CellWork
@@ -242,6 +245,26 @@ def test_a_report_says_which_held_window_its_cells_used_and_reports_of_both_do_n
     assert "opening wave" not in render(merge_reports([before])) and "until then" in render(merge_reports([before]))
     with pytest.raises(ValueError, match="held windows"):
         merge_reports([after, before])
+
+
+def test_a_table_drops_a_column_whose_header_repeats() -> None:
+    assert table_lines(["kind", "c16: x", "c16: x", "c16: y"], [["chat", "1.0x", "1.0x", "2.0x"]]) == [
+        "| kind | c16: x | c16: y |", "|---|---|---|", "| chat | 1.0x | 2.0x |"]
+
+
+def test_a_one_level_report_sets_auto_against_the_best_fixed_k_once() -> None:
+    """A bench of concurrency 16 alone: the low and the high targets are the same level."""
+    report = _report_of(20.0, 22.0, 10.0)
+    for table in ("tokens_per_s", "itl_ms_p50", "auto_mean_k"):
+        del report[table]["chat"]["1"]
+    report["settings"]["concurrency"] = [16]
+    reports = [report, json.loads(json.dumps(report))]
+    reports[1]["settings"]["first_run"] = 1
+    text = render(merge_reports(reports))
+    header = next(line for line in text.splitlines() if line.startswith("| kind | transformers"))
+    assert header.count("c16: auto vs best fixed k") == 1
+    assert "| chat | 2.20x | 1.10x | 1.10x |" in text  # the runs' own: vs transformers, vs k4, vs off
+    assert "| kind | c16: auto vs held-out best fixed k |" in text
 
 
 def test_each_runs_fixed_k_is_chosen_on_the_other_runs() -> None:
