@@ -599,13 +599,11 @@ def render(report: dict) -> str:
              f"medians of {s['runs']} run(s); concurrency 1: {low}; higher: {higher}. "
              "Tokens/s (p50 inter-token latency, ms):", ""]
     configs = list(next(iter(next(iter(report["tokens_per_s"].values())).values())))
-    lines.append("| kind | c | " + " | ".join(configs) + " | auto mean k |")
-    lines.append("|---|---|" + "---|" * (len(configs) + 1))
-    for kind, rows in report["tokens_per_s"].items():
-        for c, cell in rows.items():
-            lat = report["itl_ms_p50"][kind][c]
-            lines.append(f"| {kind} | {c} | " + " | ".join(f"{cell[n]:.1f} ({lat[n]:.0f})" for n in configs)
-                         + f" | {report['auto_mean_k'][kind][c]:.2f} |")
+    lines += table_lines(
+        ["kind", "c", *configs, "auto mean k"],
+        [[kind, c, *(f"{cell[n]:.1f} ({report['itl_ms_p50'][kind][c][n]:.0f})" for n in configs),
+          f"{report['auto_mean_k'][kind][c]:.2f}"]
+         for kind, rows in report["tokens_per_s"].items() for c, cell in rows.items()])
     lo, hi = f"c{s['concurrency'][0]}", f"c{s['concurrency'][-1]}"
     lines += [""] + table_lines(
         ["kind", "transformers target-only tok/s", f"{lo}: off vs transformers", f"{lo}: auto vs transformers",
@@ -672,18 +670,16 @@ def decode_work_lines(decode: dict) -> list[str]:
     lines = ["", "The target's verify ms a token streamed (prefill mean ms), medians over the runs; auto's verify "
                  "work against speculation off's and the fixed k's least (below 1: less work a token):", ""]
     configs = list(next(iter(next(iter(verify.values())).values())))
-    lines.append("| kind | c | " + " | ".join(configs) + " | auto/off | auto/least fixed |")
-    lines.append("|---|---|" + "---|" * (len(configs) + 2))
-    for kind, rows in verify.items():
-        for c, cell in rows.items():
+    rows = []
+    for kind, cells in verify.items():
+        for c, cell in cells.items():
             fixed = [v for n, v in cell.items() if n not in (OFF, AUTO)]
             auto = cell.get(AUTO)
             vs_off = ratio_text(_ratio(auto, cell[OFF])) if auto is not None and OFF in cell else "-"
             vs_fixed = ratio_text(_ratio(auto, min(fixed))) if auto is not None and fixed else "-"
-            lines.append(f"| {kind} | {c} | " + " | ".join(
-                f"{cell[n]:.2f} ({prefill[kind][c][n]:.0f})" if n in cell else "-" for n in configs)
-                + f" | {vs_off} | {vs_fixed} |")
-    return lines
+            rows.append([kind, c, *(f"{cell[n]:.2f} ({prefill[kind][c][n]:.0f})" if n in cell else "-"
+                                    for n in configs), vs_off, vs_fixed])
+    return lines + table_lines(["kind", "c", *configs, "auto/off", "auto/least fixed"], rows)
 
 
 def plots(report: dict, out: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import copy
 
 import pytest
 
@@ -258,7 +258,7 @@ def test_a_one_level_report_sets_auto_against_the_best_fixed_k_once() -> None:
     for table in ("tokens_per_s", "itl_ms_p50", "auto_mean_k"):
         del report[table]["chat"]["1"]
     report["settings"]["concurrency"] = [16]
-    reports = [report, json.loads(json.dumps(report))]
+    reports = [report, copy.deepcopy(report)]
     reports[1]["settings"]["first_run"] = 1
     text = render(merge_reports(reports))
     header = next(line for line in text.splitlines() if line.startswith("| kind | transformers"))
