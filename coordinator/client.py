@@ -17,7 +17,7 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 def build_request(prompt: str | list[int], params: SamplingParams, chat: bool = False, method: str | None = None,
                   k: int | str | None = None, request_id: str = "",
                   pipeline: bool | None = None) -> coordinator_pb2.GenerateRequest:
-    """k: a fixed depth (int or digits) or a depth policy ("auto", "auto:pass", "schedule:...", "...,floor=A")."""
+    """k: a fixed depth (int or digits) or a depth policy ("auto", "schedule:...", "...,floor=A")."""
     req = coordinator_pb2.GenerateRequest(params=sampling_to_proto(params), request_id=request_id)
     if isinstance(prompt, list):
         req.prompt_token_ids.ids.extend(prompt)

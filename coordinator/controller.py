@@ -73,10 +73,6 @@ __all__ = [
 ]
 
 MODES = ("auto", "fixed", "schedule")
-# How auto prices depth in a packed batch: each session its own block ("session", `packed_rates`),
-# or one depth for the whole pass from every session's acceptance ("pass", `pass_rates`), so that
-# the drafting rows bring blocks of one length (`DepthController._compute_rates`).
-BATCH_DEPTHS = ("session", "pass")
 # A session's first re-probe comes this many steps after its first probe, then the interval
 # doubles: an answer often starts unlike its prompt (a code edit opens with prose or a fence
 # before it copies), and a first probe there would otherwise keep a 32-token request off to its end.
@@ -200,7 +196,6 @@ class DepthController:
         shared: "SharedAcceptance | None" = None,
         peers: PassPeers | None = None,
         batch_z: float = 1.0,
-        batch_depth: str = "session",
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -218,8 +213,6 @@ class DepthController:
             raise ValueError(f"floor must be in [0, 1), got {floor}")
         if probe_interval < 1 or probe_max_interval < probe_interval:
             raise ValueError("need 1 <= probe_interval <= probe_max_interval")
-        if batch_depth not in BATCH_DEPTHS:
-            raise ValueError(f"batch_depth must be one of {BATCH_DEPTHS}, got {batch_depth!r}")
         self.k_max = k_max
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self.mode = mode
@@ -234,7 +227,6 @@ class DepthController:
         self.probe_k = min(max(probe_k, 1), k_max) if k_max > 0 else 0
         self.probe_alpha = probe_alpha
         self.batch_z = batch_z  # in a packed batch, own acceptance priced this many standard errors low
-        self.batch_depth = batch_depth  # in a packed batch: a depth per session, or one for the pass
         if estimator is None:
             # Seeded from the shared rate, but lightly: its sessions ran other prompts.
             estimator = (AcceptanceEstimator(alpha0=shared.seed, prior_weight=2.0, ceilings=shared.position_caps)
@@ -313,21 +305,11 @@ class DepthController:
         and completion prompts, whose n-gram blocks (on two fifths of the steps or fewer) keep a
         sixth to two fifths of their first tokens and half or more of the next ones
         (`scripts/ngram_replay.py`), stayed at k = 0 alone where fixed k = 4, drafting on every
-        match, saved a tenth of the passes.
-
-        A packed batch with `batch_depth` "pass" is priced as a padded one: one depth for the
-        pass from every session's acceptance (`pass_rates`), at the cost model's line, which at
-        depth k is the pass with every row at k. Why offer it: a packed pass whose rows bring
-        blocks of many lengths runs the longer ones' attention row by row, and at 16 rows on a
-        2-core CPU 64 extra positions cost 262 ms as blocks of 5 and 321 as blocks of 2 to 13
-        (`scripts/bench_packed_passes.py`); at 16 code edits the per-session depths came out
-        bimodal (k = 1 for a rename, 4-11 for the copies), and one depth for the pass ran
-        1.05x their tokens/s over four mirrored held repetitions (docs/benchmarks.md, 2026-12-06,
-        night). The default stays "session" until it is measured at every level."""
+        match, saved a tenth of the passes."""
         b = self._batch(load)
         if fill is None:
             fill = 1.0 if self.match_gated and b == 1 else self.fill.mean
-        if self._packed(b) and self.batch_depth == "session":
+        if self._packed(b):
             return self._packed_rates(alpha, load, b, optimistic, fill), b
         if self.peers is not None:
             own = (alpha, fill)
@@ -874,7 +856,6 @@ def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None,
     """A controller from its CLI form.
 
         auto                          the policy
-        auto:pass                     the policy, one depth for a packed batch's whole pass
         4                             fixed k = 4
         schedule:1=8,4=4,8=2,16=0     k by batch size (largest key <= the current batch size)
 
@@ -900,11 +881,10 @@ def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None,
         if not 0.0 <= floor < 1.0:
             raise ValueError(f"depth spec {spec!r}: floor {floor} is not in [0, 1)")
     head, rest = parts[0], parts[1:]
-    if head.lower() in ("auto", "auto:pass"):
+    if head.lower() == "auto":
         if rest:
-            raise ValueError(f"depth spec {spec!r}: unexpected {','.join(rest)!r} after {head!r}")
-        return DepthController(k_max, cost_model, mode="auto", floor=floor, shared=shared, peers=peers,
-                               batch_depth="pass" if head.lower() == "auto:pass" else "session")
+            raise ValueError(f"depth spec {spec!r}: unexpected {','.join(rest)!r} after 'auto'")
+        return DepthController(k_max, cost_model, mode="auto", floor=floor, shared=shared, peers=peers)
     if head.lower().startswith("schedule:"):
         entries = [head.split(":", 1)[1]] + rest
         table: dict[int, int] = {}
@@ -926,8 +906,7 @@ def make_controller(spec: str, k_max: int, cost_model: CostModel | None = None,
         k = int(head)
     except ValueError:
         raise ValueError(
-            f"depth spec {spec!r}: unknown mode {head!r}; expected 'auto', 'auto:pass', an integer k, or "
-            "'schedule:B=K,...'"
+            f"depth spec {spec!r}: unknown mode {head!r}; expected 'auto', an integer k, or 'schedule:B=K,...'"
         ) from None
     if rest:
         raise ValueError(f"depth spec {spec!r}: unexpected {','.join(rest)!r} after k = {k}")

@@ -71,7 +71,7 @@ class CostModels:
 class DepthPolicy:
     """What the engine needs for per-request depth control: `controller(target)` and `load(target)`.
 
-    spec: "auto", "auto:pass", an integer k, or "schedule:B=K,...", each optionally with ",floor=A" (see
+    spec: "auto", an integer k, or "schedule:B=K,...", each optionally with ",floor=A" (see
     `make_controller`); validated here so that a bad spec fails at request start, naming itself.
     """
 

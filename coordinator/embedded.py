@@ -17,7 +17,7 @@ class EngineOptions:
     target_model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     method: str = "ngram"
     draft_model: str | None = None  # "target" drafts with (a second session of) the target itself
-    k: int | str = "auto"  # a fixed k, or a depth policy: "auto", "auto:pass", "schedule:B=K,...", "...,floor=A"
+    k: int | str = "auto"  # a fixed k, or a depth policy: "auto", "schedule:B=K,...", "...,floor=A"
     device: str = "cpu"
     dtype: str | None = None
     k_max: int = 8

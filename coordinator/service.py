@@ -234,7 +234,7 @@ class RequestHandle:
 
 def parse_depth(spec: str, k_max: int, field: str = "speculation.depth") -> tuple[str, int | None]:
     """(spec, fixed k or None): a plain integer is a fixed k (0..MAX_K); anything else must be a
-    controller spec ("auto", "auto:pass", "schedule:...", "...,floor=A"). Raises InvalidArgument naming `field`."""
+    controller spec ("auto", "schedule:...", "...,floor=A"). Raises InvalidArgument naming `field`."""
     spec = spec.strip()
     try:
         fixed = int(spec)

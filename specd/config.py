@@ -81,7 +81,7 @@ class ServiceConfig:
 
 
 def _check_depth(spec: str) -> None:
-    """A depth spec the controller understands: "auto", "auto:pass", an integer k, "schedule:B=K,...", ",floor=A"."""
+    """A depth spec the controller understands: "auto", an integer k, "schedule:B=K,...", ",floor=A"."""
     from coordinator.controller import make_controller  # pure policy module, no heavy imports
 
     make_controller(str(spec), 32)
@@ -146,10 +146,9 @@ class CoordinatorConfig(ServiceConfig):
     dns_refresh_s: float = _opt(10.0, "seconds between re-resolutions of dns:/// replica names", minimum=0.1)
     health_check_interval_s: float = _opt(1.0, "seconds between health checks of each replica (0: off)", minimum=0)
     method: str = _opt("ngram", "default drafting method", choices=DRAFT_METHODS)
-    k: str = _opt("auto", "default draft depth: auto (the adaptive controller), auto:pass (the controller, one "
-                          "depth for a packed batch's whole pass), a fixed k (0: no speculation), or schedule:B=K,... "
-                          "(k by batch size); each may end with ,floor=A (acceptance below A turns speculation off)",
-                   metavar="auto|auto:pass|K|schedule:B=K,...", check=_check_depth)
+    k: str = _opt("auto", "default draft depth: auto (the adaptive controller), a fixed k (0: no speculation), or "
+                          "schedule:B=K,... (k by batch size); each may end with ,floor=A (acceptance below A turns "
+                          "speculation off)", metavar="auto|K|schedule:B=K,...", check=_check_depth)
     k_max: int = _opt(16, "deepest draft block the controller may choose", minimum=1)
     pipeline: bool = _opt(False, "pipelined drafting: draft block n+1 while block n is verified")
     http_port: int | None = _opt(None, "HTTP (OpenAI-style) port (unset: no HTTP endpoint)", minimum=0)

@@ -13,7 +13,6 @@ import pytest
 
 from coordinator import controller as controller_module
 from coordinator.controller import (
-    BATCH_DEPTHS,
     CHEAP_PROBE,
     ECHO_STREAK,
     ECHO_STREAK_MAX,
@@ -508,9 +507,6 @@ def test_make_controller_forms() -> None:
     sched = make_controller("schedule:1=8,4=4,8=2,16=0,floor=0.3", K_MAX, cm)
     assert sched.mode == "schedule" and sched.schedule == {1: 8, 4: 4, 8: 2, 16: 0}
     assert sched.floor == pytest.approx(0.3)
-    assert auto.batch_depth == "session"
-    per_pass = make_controller("auto:pass,floor=0.1", K_MAX, cm)
-    assert per_pass.mode == "auto" and per_pass.batch_depth == "pass" and per_pass.floor == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("spec,problem", [
@@ -519,8 +515,6 @@ def test_make_controller_forms() -> None:
     ("-1", "not in 0..8"),
     ("9", "not in 0..8"),
     ("auto,3", "unexpected '3'"),
-    ("auto:pass,3", "unexpected '3' after 'auto:pass'"),
-    ("auto:rows", "unknown mode 'auto:rows'"),
     ("4,8", "unexpected '8'"),
     ("auto,floor=x", "floor 'x' is not a number"),
     ("auto,floor=1.5", "floor 1.5 is not in"),
@@ -1449,49 +1443,6 @@ def test_in_a_packed_batch_a_modest_session_drafts_once_a_peer_drafts_as_deep() 
     assert 1 <= modest.target(load) <= 2
     sessions[1]._commit(0)
     assert modest.target(load) == 0
-
-
-def cheap_position_cost_model() -> CostModel:
-    """`packed_cost_model` with a drafted position at 2 ms in a pass of 16 rows (130 ms plain)."""
-    cm = CostModel()
-    for _ in range(16):
-        for b in (1, 16):
-            for extra in (0, 2, 8, 16, 32):
-                cm.observe_verify(b, 1 + -(-extra // b), PACKED_PLAIN_MS[b] + 2.0 * extra, positions=b + extra,
-                                  packed=True)
-    return cm
-
-
-@pytest.mark.parametrize("alphas", [[0.95] * 8 + [0.6] * 8, [0.98] * 4 + [0.75] * 12])
-def test_auto_pass_gives_a_packed_batch_one_depth_where_its_sessions_would_choose_two(alphas: list[float]) -> None:
-    """Copies and a rename at 16 sessions: priced per session, the copiers draft deep and the
-    others short, a pass of two block lengths (whose longer blocks run their attention row by
-    row); `auto:pass` prices one depth for the pass from every session's acceptance, between
-    the two, and every session drafts it."""
-    load = LoadSignal(0, 16)
-    ks = {}
-    for form in BATCH_DEPTHS:
-        peers, cm = PassPeers(), cheap_position_cost_model()
-        sessions = [DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=alpha, prior_weight=1000.0),
-                                    peers=peers, batch_depth=form) for alpha in alphas]
-        ks[form] = [s.target(load) for s in sessions]
-    assert len(set(ks["session"])) == 2, ks
-    assert len(set(ks["pass"])) == 1, ks
-    assert min(ks["session"]) < ks["pass"][0] < max(ks["session"]), ks
-
-
-def test_auto_pass_alone_is_auto() -> None:
-    """One session (no batch) prices its depth the same way under either batch form."""
-    for alpha in (0.3, 0.7, 0.95):
-        ks = [DepthController(K_MAX, cheap_position_cost_model(), batch_depth=form,
-                              estimator=AcceptanceEstimator(alpha0=alpha, prior_weight=1000.0)).target(LoadSignal(0, 1))
-              for form in BATCH_DEPTHS]
-        assert ks[0] == ks[1], (alpha, ks)
-
-
-def test_an_unknown_batch_depth_is_refused() -> None:
-    with pytest.raises(ValueError, match="batch_depth"):
-        DepthController(K_MAX, CostModel(), batch_depth="rows")
 
 
 def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts() -> None:
