@@ -344,13 +344,21 @@ class DepthController:
             seen = max(seen, max((j + 1 for j, cap in enumerate(caps) if cap is not None), default=0))
         return max(2 * seen, self.probe_k) if seen else self.k_max
 
+    def _in_batch(self) -> bool:
+        """Whether this session's next pass has other rows (`_batch`). Before its first pass
+        the peers say so: the last pass's batch is still 1 then, and a session's first shadow
+        (drafted at its first step, right after its prefill) went k_max deep and its fill
+        uncounted, so a code edit after code prompts priced its first blocks at their fill (0.29)
+        for three steps while its shadows were accepted (docs/benchmarks.md, 2026-12-07)."""
+        return self._batch(None) > 1
+
     def shadow_depth(self) -> int:
         """The depth of a shadow draft (coordinator/echo.py's `ShadowDraft`) at a k = 0 step: as
         deep as this session could draft next. In a batch that is `_depth_reach`, so that depth
         grows by doubling what has gone through, shadows or drafts: shadows of `k_max` = 16 from
         code edits' copied spans sent their sessions to blocks of 16 at once, in passes of 460 ms
         against fixed k = 4's 320, for 4.1 tokens a step against 3.2."""
-        return min(self._depth_reach(), self.k_max) if self.batch_size > 1 else self.k_max
+        return min(self._depth_reach(), self.k_max) if self._in_batch() else self.k_max
 
     def shadow_depth_beyond(self, drafted: int) -> int:
         """The depth of a shadow draft at a step whose block drafts `drafted` tokens, 0 for none:
@@ -358,7 +366,7 @@ class DepthController:
         about the positions past its block while it drafts (coordinator/echo.py's
         `ShadowDraft`); alone, none (a session alone chooses among every depth, with no
         `_depth_reach` to grow)."""
-        if drafted <= 0 or self.batch_size <= 1:
+        if drafted <= 0 or not self._in_batch():
             return 0
         depth = self.shadow_depth()
         return depth if depth > drafted else 0
@@ -376,7 +384,7 @@ class DepthController:
         a session asks for, and an empty draft costs no verify work there (`pass_rates`), so only
         batched shadows, as deep as the session could draft next, count. The step's `observe`
         passes the new fill on to the session's peers, as for a drafted step."""
-        if depth > 0 and self.batch_size > 1:
+        if depth > 0 and self._in_batch():
             self.fill.add(min(max(drafted, 0) / depth, 1.0), FILL_WINDOW)
 
     def _packed(self, batch_size: int) -> bool:

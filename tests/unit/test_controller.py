@@ -1786,7 +1786,7 @@ def test_in_a_batch_shadows_teach_the_fill_as_well_as_the_acceptance() -> None:
         for _ in range(64):
             shared.update_fill(0.05)
         peers = PassPeers()
-        sessions = [make_controller("auto", K_MAX, cm, shared, peers) for _ in range(16)]
+        sessions = [make_controller("auto", K_MAX, cm, shared, peers) for _ in range(batch)]
         for s in sessions[1:]:
             s.observe(0, 0, 0.0, 140.0, 16, pass_positions=16, packed=True)
         session = sessions[0]
@@ -1804,6 +1804,30 @@ def test_in_a_batch_shadows_teach_the_fill_as_well_as_the_acceptance() -> None:
     assert empty.fill.mean < 0.05 and empty.target(load) == 0
     alone = session_after((4, 4), batch=1)
     assert alone.fill.mean == pytest.approx(session_after(None, batch=1).fill.mean)
+
+
+def test_a_sessions_first_shadow_counts_in_a_batch_before_its_first_pass() -> None:
+    """A session's first shadow is drafted at its first step, right after its prefill, before it
+    has seen a pass: its peers say it is in a batch, so the shadow is as deep as it could draft
+    next and its fill counts. Read from the last pass alone (batch 1 before the first), it went
+    k_max deep and its fill was dropped: a code edit after code prompts (fill 0.29) kept that fill
+    for three steps while its shadows were accepted, and drafted from its fourth. Alone (no
+    peers) it is k_max deep and the fill is left as it is."""
+    shared = SharedAcceptance()
+    for _ in range(64):
+        shared.update(2, 1)  # the method's recent sessions drafted blocks of 2: reach 4
+        shared.update_fill(0.25)
+    peers = PassPeers()
+    sessions = [DepthController(K_MAX, packed_cost_model(), shared=shared, peers=peers) for _ in range(16)]
+    first = sessions[0]
+    assert first.shadow_depth() == 4
+    before = first.fill.mean
+    first.observe_shadow_fill(4, first.shadow_depth())
+    assert first.fill.mean > before + 0.2
+    alone = DepthController(K_MAX, packed_cost_model(), shared=shared, peers=PassPeers())
+    assert alone.shadow_depth() == K_MAX
+    alone.observe_shadow_fill(K_MAX, K_MAX)
+    assert alone.fill.mean == pytest.approx(before)
 
 
 def test_shadow_drafts_in_a_batch_reach_twice_as_deep_as_what_has_gone_through() -> None:
