@@ -15,6 +15,11 @@ from coordinator.running_mean import RunningMean
 CAP_MIN_TRIALS = 8.0
 # Sessions of a method that must have ended before their acceptance says whether early probes pay.
 MIN_SESSIONS = 4
+# A session's fill (share of the asked draft tokens its proposer drafted) starts at its method's
+# recent fill with this many samples' weight, and follows the last FILL_WINDOW steps that asked
+# for a draft.
+FILL_PRIOR = 2.0
+FILL_WINDOW = 16.0
 
 
 class AcceptanceEstimator:
@@ -273,3 +278,47 @@ class SharedAcceptance:
         if len(sessions) < MIN_SESSIONS:
             return self.alpha
         return self._clamp(sum(sessions) / len(sessions))
+
+
+class SessionRecord:
+    """One session's acceptance and fill, and what the session tells its method's record
+    (`SharedAcceptance`): each drafted step's trials, each step's fill, and at its end, if it
+    drafted, its acceptance and fill among the method's recent sessions.
+
+    A depth controller keeps one (coordinator/controller.py); so does a session whose depth is
+    fixed (coordinator/engine.py), so that the record a new auto session starts from is the
+    method's recent traffic whatever depth each request asked for. Kept by auto sessions alone,
+    the record said what the last auto requests were: in a bench that runs each kind's fixed
+    depths before auto, a code edit's first auto sessions started from the record of the code
+    prompts before them (acceptance 0.27, fill 0.29) while fixed k = 2 had just shown what code
+    edits accept."""
+
+    def __init__(self, shared: SharedAcceptance | None, estimator: AcceptanceEstimator | None = None):
+        self.shared = shared
+        if estimator is None:
+            # Seeded from the shared rate, but lightly: its sessions ran other prompts.
+            estimator = (AcceptanceEstimator(alpha0=shared.seed, prior_weight=2.0, ceilings=shared.position_caps)
+                         if shared is not None else AcceptanceEstimator())
+        self.estimator = estimator
+        self.fill = RunningMean(shared.fill if shared is not None else 1.0, FILL_PRIOR)
+        self.drafted = False  # has any step of this session drafted yet
+        self._closed = False
+
+    def observe(self, drafted: int, accepted: int, requested: int = 0) -> None:
+        """A step drafted `drafted` tokens of the `requested` it asked for (0: it asked for none)
+        and `accepted` of them went through. At `drafted` = 0 the evidence ages by the step."""
+        self.drafted = self.drafted or drafted > 0
+        self.estimator.update(drafted, accepted)
+        if requested:
+            share = min(drafted / requested, 1.0)
+            self.fill.add(share, FILL_WINDOW)
+            if self.shared is not None:
+                self.shared.update_fill(share)
+        if self.shared is not None and drafted > 0:
+            self.shared.update(drafted, accepted)
+
+    def close(self) -> None:
+        """The session ended: if it drafted, it joins the method's recent sessions (once)."""
+        if self.shared is not None and self.drafted and not self._closed:
+            self.shared.report_session(self.estimator.alpha, self.fill.mean)
+        self._closed = True

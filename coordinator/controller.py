@@ -33,7 +33,8 @@ import logging
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from coordinator.acceptance import CAP_MIN_TRIALS, MIN_SESSIONS, AcceptanceEstimator, SharedAcceptance
+from coordinator.acceptance import (CAP_MIN_TRIALS, FILL_PRIOR, FILL_WINDOW, MIN_SESSIONS, AcceptanceEstimator,  # noqa: F401
+                                   SessionRecord, SharedAcceptance)
 from coordinator.cost_model import CostModel
 from coordinator.depth_math import (MIXTURE_TRIALS, Costs, LoadSignal, _argbest, acceptance_lower_bound,
                                     batch_choice, batch_margin, best_depth, best_reading, depth_rates,
@@ -79,10 +80,6 @@ MODES = ("auto", "fixed", "schedule")
 PROBE_FIRST_INTERVAL = 4
 # The tokens an early probe may pay back over when the request's remaining tokens are not known.
 DEFAULT_HORIZON = 32
-# A session's fill (share of the asked draft tokens its proposer drafted) starts at 1 with this
-# many samples' weight, and follows the last FILL_WINDOW steps that asked for a draft.
-FILL_PRIOR = 2.0
-FILL_WINDOW = 16.0
 # In a batch, a replica opens a probe pass (where its k = 0 sessions that want to probe do so
 # together) at most once in `probe_period` passes: at least this many, and more where a probe
 # pass costs more than PROBE_BUDGET of the time.
@@ -227,11 +224,9 @@ class DepthController:
         self.probe_k = min(max(probe_k, 1), k_max) if k_max > 0 else 0
         self.probe_alpha = probe_alpha
         self.batch_z = batch_z  # in a packed batch, own acceptance priced this many standard errors low
-        if estimator is None:
-            # Seeded from the shared rate, but lightly: its sessions ran other prompts.
-            estimator = (AcceptanceEstimator(alpha0=shared.seed, prior_weight=2.0, ceilings=shared.position_caps)
-                         if shared is not None else AcceptanceEstimator())
-        self.estimator = estimator
+        # its acceptance and fill, and what it tells the method's record
+        self.record = SessionRecord(shared, estimator)
+        self.estimator = self.record.estimator
         self.shared = shared
         self.k: int | None = None  # the committed depth (a probe step does not change it)
         self.history: list[int] = []
@@ -242,14 +237,11 @@ class DepthController:
         self._interval = max(min(PROBE_FIRST_INTERVAL, probe_interval) // 2, 1)
         self._idle_steps = 0
         self._probed = False
-        self._drafted = False  # has any step of this session drafted yet
         self._echo_streak = 0  # k = 0 steps in a row whose token echoed the context
         self._echo_needed = ECHO_STREAK  # the streak that makes the next echo probe
         self._echo_probe = False  # the last step chosen was a probe called by echoes
         self._remaining: int | None = None  # tokens the request may still produce, as the last choose() was told
         self._saving_cache: tuple[tuple[int, int], float] | None = None  # (shared version, batch) -> ms/token
-        # share of the asked draft tokens the proposer drafted; starts from the method's recent steps
-        self.fill = RunningMean(shared.fill if shared is not None else 1.0, FILL_PRIOR)
         # the last `_mixture_tokens` result, with its prior and (successes, trials, fill): a
         # session at k = 0 asks the same at step after step until its trials or fill change
         self._mixture_last: tuple[Any, tuple[float, float, float], list[float]] | None = None
@@ -263,7 +255,7 @@ class DepthController:
         # nothing where the proposer has nothing to draft (`_rates`)
         self.match_gated = False
         self.peers = peers if mode == "auto" else None
-        self._peer = self.peers.join(estimator.alpha, self.fill.mean) if self.peers is not None else 0
+        self._peer = self.peers.join(self.estimator.alpha, self.fill.mean) if self.peers is not None else 0
         self._closed = False
         # answers at k = 0 kept for a few steps while what they rest on is unchanged
         # (coordinator/step_reuse.py): the last pricing (`_settled_target`), a probe step's
@@ -272,6 +264,21 @@ class DepthController:
         self._unwanted_probe = StepReuse[int]()
         self._gated = StepReuse[int]()
         self.settled_reuse_steps = SETTLED_REUSE_STEPS
+
+    @property
+    def fill(self) -> RunningMean:
+        """The share of the asked draft tokens the proposer drafted; starts from the method's
+        recent steps (`SessionRecord`)."""
+        return self.record.fill
+
+    @fill.setter
+    def fill(self, value: RunningMean) -> None:
+        self.record.fill = value
+
+    @property
+    def _drafted(self) -> bool:
+        """Whether any step of this session has drafted yet."""
+        return self.record.drafted
 
     # the policy, before hysteresis
 
@@ -830,20 +837,12 @@ class DepthController:
         if self._probed and k == 0:
             self._probed = False
             self._idle_steps = self._interval
-        self._drafted = self._drafted or k > 0
-        self.estimator.update(k, num_accepted)  # at k = 0 the evidence ages by the step
+        self.record.observe(k, num_accepted, requested)  # at k = 0 the evidence ages by the step
         if shadow is not None:  # what a shadow draft judged at this step
             drafted, accepted, first = (*shadow, 0)[:3]
             self.estimator.add(drafted, accepted, first)
-        if requested:
-            share = min(k / requested, 1.0)
-            self.fill.add(share, FILL_WINDOW)
-            if self.shared is not None:
-                self.shared.update_fill(share)
         if self.peers is not None:
             self.peers.update(self._peer, self.estimator.alpha, proven=self._drafted, fill=self.fill.mean)
-        if self.shared is not None and k > 0:
-            self.shared.update(k, num_accepted)
         self.cost_model.observe_step(k, draft_ms, verify_ms, batch_size, pass_block_length, compute_ms, open_ms,
                                      pass_positions, packed, pass_id)
         self.batch_size = max(int(batch_size), 1)
@@ -853,8 +852,7 @@ class DepthController:
         drafted, it joins the method's record of recent sessions."""
         if self.peers is not None:
             self.peers.leave(self._peer)
-        if self.shared is not None and self._drafted and not self._closed:
-            self.shared.report_session(self.estimator.alpha, self.fill.mean)
+        self.record.close()
         self._closed = True
 
 

@@ -93,6 +93,11 @@ class DepthPolicy:
         steps record their costs in it, as a controller's do)."""
         return self.costs.get(replica_key(target), method)
 
+    def acceptance(self, target: Any, method: str) -> SharedAcceptance:
+        """The record of acceptance `target`'s replica keeps for `method` (a fixed k's sessions
+        report to it, as a controller's do)."""
+        return self.costs.acceptance(replica_key(target), method)
+
     def load(self, target: Any) -> LoadSignal | None:
         if self.monitor is None:
             return None

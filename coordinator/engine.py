@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
+from coordinator.acceptance import SessionRecord, SharedAcceptance
 from coordinator.controller import CostModel, DepthController, LoadSignal
 from coordinator.echo import ECHO_METHODS, EchoLookup, ShadowDraft, echo_hit
 from coordinator.failover import (DraftLink, FailoverOutcome, FaultHook, TargetLink, TargetSessionLike,  # noqa: F401
@@ -124,9 +125,11 @@ class DepthPolicyLike(Protocol):
 
 
 class CostModelsLike(Protocol):
-    """The cost model a replica's sessions of one drafting method share (coordinator.depth.DepthPolicy)."""
+    """The cost model and the acceptance record a replica's sessions of one drafting method share
+    (coordinator.depth.DepthPolicy)."""
 
     def cost_model(self, target: TargetSessionLike, method: str) -> CostModel: ...
+    def acceptance(self, target: TargetSessionLike, method: str) -> SharedAcceptance: ...
 
 
 def _step_costs(outcome: Any, open_ms: float) -> dict[str, Any]:
@@ -185,8 +188,9 @@ class SpeculativeEngine:
         cost_models: CostModelsLike | None = None,
     ):
         """on_fault(service, reason): called for every replica failure a request meets (metrics).
-        cost_models: where a fixed k's steps record their draft and verify times (without it, a
-        replica's cost model learns only from the sessions that have a controller)."""
+        cost_models: where a fixed k's steps record their draft and verify times and its
+        acceptance (without it, a replica's cost model and its method's record of acceptance learn
+        only from the sessions that have a controller)."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         self.verifier = verifier
@@ -213,6 +217,9 @@ class SpeculativeEngine:
         # a fixed k has no controller, but its passes still teach its replica's cost model
         costs = self.cost_models.cost_model(session, self.proposer.name) \
             if controller is None and self.cost_models is not None else None  # type: ignore[union-attr]
+        # and its acceptance joins the method's record that new auto sessions start from
+        record = SessionRecord(self.cost_models.acceptance(session, self.proposer.name)) \
+            if costs is not None else None  # type: ignore[union-attr]
 
         def fault(service: str, reason: str) -> None:
             gen.faults.append((service, reason))
@@ -336,6 +343,7 @@ class SpeculativeEngine:
                         else:
                             costs.observe_step(len(proposal.tokens), draft_s * 1000, service_ms,  # type: ignore[union-attr]
                                                **step_costs)
+                            record.observe(len(proposal.tokens), outcome.num_accepted, k)  # type: ignore[union-attr]
                 if draft is not None:
                     draft.append(outcome.tokens, step)
                 out, gen.finish_reason = stopper.accept(gen.token_ids, outcome.tokens)
@@ -349,6 +357,8 @@ class SpeculativeEngine:
             gen.duration = time.perf_counter() - start
             if controller is not None:
                 controller.close()
+            if record is not None:
+                record.close()
             if draft is not None:
                 draft.close()
             target.close()

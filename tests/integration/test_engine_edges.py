@@ -344,6 +344,26 @@ def test_a_fixed_k_teaches_its_replicas_cost_model_what_its_passes_cost(tiny):
     assert [count for _, _, count, _, _ in shared.verify_table()] == [4]  # without cost_models nothing is recorded
 
 
+def test_a_fixed_k_reports_its_acceptance_to_the_methods_record(tiny):
+    """A fixed k's sessions join the record of acceptance that new auto sessions of the same
+    method on the replica start from (`SessionRecord`): with the target as its own draft every
+    block goes through, so after four such sessions the record's recent sessions accept every
+    token, fill every block, and a new auto session is seeded from them."""
+    policy = DepthPolicy("auto", k_max=8)
+    fixed = SpeculativeEngine(TargetModel(tiny), make_proposer("draft_model", tiny), k=4,
+                              eos_token_ids=frozenset(), cost_models=policy)
+    shared = policy.costs.acceptance(EMBEDDED, "draft_model")
+    fresh_seed = shared.seed
+    for start in range(4):
+        fixed.generate([1 + start, 2, 3], SamplingParams(max_tokens=21)).run()
+    recent = shared.recent_sessions()
+    assert recent is not None and len(recent) == 4
+    assert all(alpha > 0.9 and fill == pytest.approx(1.0) for alpha, fill in recent), recent
+    assert shared.seed > fresh_seed
+    assert policy.controller(fixed.verifier.open_session([1, 2, 3], SamplingParams()), "draft_model") \
+        .estimator.alpha == pytest.approx(shared.seed, abs=0.05)
+
+
 class _AlwaysTwo(_HeldOffListening):
     """An auto controller that asks for a block of 2 at every step."""
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from coordinator import controller as controller_module
+from coordinator.acceptance import SessionRecord
 from coordinator.controller import (
     CHEAP_PROBE,
     ECHO_STREAK,
@@ -558,6 +559,34 @@ def test_new_sessions_start_from_the_shared_acceptance() -> None:
     assert useless.alpha < 0.05  # sessions feed the shared estimate back
     good_prompt = make_controller("auto", K_MAX, cm, useless)  # this prompt copies its input
     assert run_session(good_prompt, [0.95] * 16)[-1] >= 4
+
+
+def test_a_session_record_reports_a_drafting_session_once_and_a_session_that_never_drafted_not_at_all() -> None:
+    """`SessionRecord`, which a fixed k's session keeps as a controller does: every drafted
+    step's trials go to the method's pooled rate and every step that asked for a draft to its
+    fill; at its end a session that drafted joins the recent sessions (once, however often it is
+    closed), and one that never drafted does not (it says nothing about what blocks accept)."""
+    shared = SharedAcceptance()
+    record = SessionRecord(shared)
+    for _ in range(6):
+        record.observe(4, 4, requested=4)
+    record.observe(2, 0, requested=4)  # the proposer drafted half of what was asked: all rejected
+    assert record.drafted and record.estimator.alpha > 0.8
+    assert shared.fill < 1.0 and record.fill.mean < 1.0
+    assert shared.recent_sessions() is None
+    for _ in range(2):
+        record.close()
+    assert len(shared._sessions) == 1
+    idle = SessionRecord(shared)
+    idle.observe(0, 0)
+    idle.close()
+    assert len(shared._sessions) == 1
+    for _ in range(3):
+        other = SessionRecord(shared)
+        other.observe(4, 4, requested=4)
+        other.close()
+    recent = shared.recent_sessions()
+    assert recent is not None and len(recent) == 4 and all(alpha > 0.5 for alpha, _ in recent)
 
 
 def test_a_probe_that_drafted_nothing_is_repeated() -> None:
