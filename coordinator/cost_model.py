@@ -27,6 +27,10 @@ CHORD_SD = 0.5
 # batched verify pass), and a session at k = 0 makes no draft calls, so samples are few and an
 # estimate inflated under load must not outlive the load.
 DRAFT_WINDOW = 8.0
+# Passes a replica may run with no draft position in any of them before its cost model forgets
+# the drafted passes it saw (`CostModel.observe_verify`): their times are of another minute's
+# machine, and only drafting can renew them.
+STALE_PASSES = 256
 
 
 def _clip(x: float, cell: RunningMean) -> float:
@@ -155,6 +159,7 @@ class CostModel:
         # passes; rows of one pass come back together, so a short memory does)
         self._recent_passes: deque[int] = deque(maxlen=RECENT_PASSES)
         self._seen_passes: set[int] = set()
+        self._passes_without_drafts = 0  # passes counted since the last one with a draft position
         self._lock = threading.Lock()
 
     # observations
@@ -183,9 +188,28 @@ class CostModel:
                 self._seen_passes.add(pass_id)
             if packed is not None:
                 self.packed = packed
+            self._passes_without_drafts = 0 if extra > 0 else self._passes_without_drafts + 1
+            if self._passes_without_drafts == STALE_PASSES:
+                self._forget_drafted_passes()
             cell = self._verify.setdefault(batch_size, {}).setdefault(extra, RunningMean())
             cell.add(_clip(ms, cell), self.window)
             self._forget_lines()
+
+    def _forget_drafted_passes(self) -> None:
+        """Drop every cell of passes with draft positions (under `_lock`): the model then prices a
+        position from its plain passes and the prior's shape until drafted passes come again.
+
+        A session at k = 0 drafts nothing, so while the replica's plain passes keep their cells
+        current, its drafted cells keep whatever the machine did when they were last seen. A
+        spell when the machine ran at a quarter of its speed (a profiler beside it) left drafted
+        passes of 600 ms at 16 rows; plain passes were back at 160 within seconds, the gap priced
+        every position far past what any block could keep, and auto ran a code edit cell at
+        k = 0 for 1969 of 1974 steps (docs/benchmarks.md, 2026-12-07). Forgetting costs a
+        replica where speculation does not pay a few drafted passes every STALE_PASSES passes,
+        which teach the cells again."""
+        for cells in self._verify.values():
+            for extra in [e for e in cells if e > 0]:
+                del cells[extra]
 
     def observe_step(self, k: int, draft_ms: float, verify_ms: float, batch_size: int, pass_block_length: int = 0,
                      compute_ms: float | None = None, open_ms: float = 0.0, pass_positions: int = 0,

@@ -40,7 +40,7 @@ from coordinator.controller import (
     pass_sessions,
     probe_period,
 )
-from coordinator.cost_model import jump_reading_line, slope_by_precision
+from coordinator.cost_model import STALE_PASSES, jump_reading_line, slope_by_precision
 from coordinator.echo import EchoLookup, ShadowDraft, echo_guess, echo_hit
 from coordinator.running_mean import RunningMean
 from coordinator.step_reuse import StepReuse
@@ -1284,6 +1284,41 @@ def packed_cost_model() -> CostModel:
                 cm.observe_verify(b, 1 + -(-extra // b), PACKED_PLAIN_MS[b] + PACKED_POSITION_MS[b] * extra,
                                   positions=b + extra, packed=True)
     return cm
+
+
+def test_drafted_passes_of_a_slow_spell_are_forgotten_once_plain_passes_alone_have_run_for_a_while() -> None:
+    """A spell at a quarter of the machine's speed (a profiler beside it) left drafted passes of
+    600-760 ms at 16 rows; plain passes came back to 150 ms at once, and a session at k = 0
+    drafts nothing that could renew the drafted cells: the gap priced every block of a code
+    edit (acceptance 0.9) off, at k = 0 to the end. After STALE_PASSES passes without a draft
+    position the model forgets its drafted passes and prices a position from the plain passes
+    and the prior's shape; the session drafts again, and its passes teach the cells anew."""
+    cm = CostModel()
+    for _ in range(8):  # the slow spell
+        cm.observe_verify(16, 1, 600.0, positions=16, packed=True)
+        for extra in (16, 32):
+            cm.observe_verify(16, 3, 600.0 + 5.0 * extra + 80.0, positions=16 + extra, packed=True)
+    plain_passes = 120  # the plain cell follows the machine back (a moving average over 64 passes)
+    for _ in range(plain_passes):
+        cm.observe_verify(16, 1, 150.0, positions=16, packed=True)
+    assert cm.verify_ms(1, 16) < 180.0
+    peers = PassPeers()
+    copies = [make_controller("auto", K_MAX, cm, shared_after_sessions([0.9] * 32, fill=0.9), peers) for _ in range(16)]
+    for session in copies:
+        session.observe(0, 0, 0.0, 150.0, 16, pass_positions=16, packed=True, shadow=(4, 4), pass_id=1)
+    load = LoadSignal(0, 16)
+    assert copies[0].target(load) == 0  # the slow spell's drafted passes price every block off
+    assert cm.position_ms(16) > 10.0 or cm.packed_jump_ms(16) > 100.0
+    for _ in range(STALE_PASSES - plain_passes - 2):  # and the sessions' pass
+        cm.observe_verify(16, 1, 150.0, positions=16, packed=True)
+    assert cm.packed_jump_ms(16) > 100.0  # not yet: one pass short of STALE_PASSES
+    cm.observe_verify(16, 1, 150.0, positions=16, packed=True)
+    assert cm.packed_jump_ms(16) == 0.0 and cm.position_ms(16) < 5.0
+    assert copies[1].target(load) > 0
+    cm.observe_verify(16, 3, 150.0 + 3.0 * 32, positions=48, packed=True)  # a drafted pass: the count starts again
+    for _ in range(STALE_PASSES - 1):
+        cm.observe_verify(16, 1, 150.0, positions=16, packed=True)
+    assert [positions for b, _, _, _, positions in cm.verify_table() if positions > b] == [48]
 
 
 def test_a_packed_position_is_priced_by_the_slope_not_the_jump_to_a_drafted_pass() -> None:
