@@ -31,9 +31,6 @@ DRAFT_WINDOW = 8.0
 # the drafted passes it saw (`CostModel.observe_verify`): their times are of another minute's
 # machine, and only drafting can renew them.
 STALE_PASSES = 256
-# How far a batch size's plain pass may move from what it was when a drafted cell was last seen
-# before that cell is moved with it (`CostModel._rescale_drafted`).
-SPEED_SHIFT = 1.5
 
 
 def _clip(x: float, cell: RunningMean) -> float:
@@ -163,7 +160,6 @@ class CostModel:
         self._recent_passes: deque[int] = deque(maxlen=RECENT_PASSES)
         self._seen_passes: set[int] = set()
         self._passes_without_drafts = 0  # passes counted since the last one with a draft position
-        self._plain_then: dict[tuple[int, int], float] = {}  # (batch, extra) -> the plain pass's ms when last seen
         self._lock = threading.Lock()
 
     # observations
@@ -195,27 +191,9 @@ class CostModel:
             self._passes_without_drafts = 0 if extra > 0 else self._passes_without_drafts + 1
             if self._passes_without_drafts == STALE_PASSES:
                 self._forget_drafted_passes()
-            cells = self._verify.setdefault(batch_size, {})
-            cell = cells.setdefault(extra, RunningMean())
+            cell = self._verify.setdefault(batch_size, {}).setdefault(extra, RunningMean())
             cell.add(_clip(ms, cell), self.window)
-            plain = cells.get(0)
-            if extra > 0 and plain is not None:
-                self._plain_then[(batch_size, extra)] = plain.mean
-            elif extra == 0:
-                self._rescale_drafted(batch_size, cell.mean)
             self._forget_lines()
-
-    def _rescale_drafted(self, b: int, plain_ms: float) -> None:
-        """Move the drafted cells at b with the plain pass where it has moved by SPEED_SHIFT or more
-        since they were last seen (under `_lock`): the machine's speed changes every pass alike,
-        and sessions at k = 0 renew the plain cell alone. A drafted cell from a slow spell then
-        no longer prices its positions at the spell's pace beside plain passes of the machine's
-        own."""
-        for extra, cell in self._verify[b].items():
-            then = self._plain_then.get((b, extra))
-            if extra > 0 and then and not 1.0 / SPEED_SHIFT < plain_ms / then < SPEED_SHIFT:
-                cell.mean *= plain_ms / then
-                self._plain_then[(b, extra)] = plain_ms
 
     def _forget_drafted_passes(self) -> None:
         """Drop every cell of passes with draft positions (under `_lock`): the model then prices a
@@ -229,10 +207,9 @@ class CostModel:
         k = 0 for 1969 of 1974 steps (docs/benchmarks.md, 2026-12-07). Forgetting costs a
         replica where speculation does not pay a few drafted passes every STALE_PASSES passes,
         which teach the cells again."""
-        for b, cells in self._verify.items():
+        for cells in self._verify.values():
             for extra in [e for e in cells if e > 0]:
                 del cells[extra]
-                self._plain_then.pop((b, extra), None)
 
     def observe_step(self, k: int, draft_ms: float, verify_ms: float, batch_size: int, pass_block_length: int = 0,
                      compute_ms: float | None = None, open_ms: float = 0.0, pass_positions: int = 0,
