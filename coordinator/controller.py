@@ -33,8 +33,8 @@ import logging
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from coordinator.acceptance import (CAP_MIN_TRIALS, FILL_PRIOR, FILL_WINDOW, MIN_SESSIONS, AcceptanceEstimator,  # noqa: F401
-                                   SessionRecord, SharedAcceptance)
+from coordinator.acceptance import (CAP_MIN_TRIALS, FILL_WINDOW, MIN_SESSIONS, AcceptanceEstimator, SessionRecord,
+                                   SharedAcceptance)
 from coordinator.cost_model import CostModel
 from coordinator.depth_math import (MIXTURE_TRIALS, Costs, LoadSignal, _argbest, acceptance_lower_bound,
                                     batch_choice, batch_margin, best_depth, best_reading, depth_rates,
@@ -256,7 +256,6 @@ class DepthController:
         self.match_gated = False
         self.peers = peers if mode == "auto" else None
         self._peer = self.peers.join(self.estimator.alpha, self.fill.mean) if self.peers is not None else 0
-        self._closed = False
         # answers at k = 0 kept for a few steps while what they rest on is unchanged
         # (coordinator/step_reuse.py): the last pricing (`_settled_target`), a probe step's
         # pricing that wanted no probe (`_probe_wanted`), the gated probes' interval (`_gated_due`)
@@ -853,7 +852,6 @@ class DepthController:
         if self.peers is not None:
             self.peers.leave(self._peer)
         self.record.close()
-        self._closed = True
 
 
 
