@@ -256,6 +256,7 @@ class DepthController:
         self.match_gated = False
         self.peers = peers if mode == "auto" else None
         self._peer = self.peers.join(self.estimator.alpha, self.fill.mean) if self.peers is not None else 0
+        self._anchored = 0  # the depth last told the peers (`_anchor`)
         # answers at k = 0 kept for a few steps while what they rest on is unchanged
         # (coordinator/step_reuse.py): the last pricing (`_settled_target`), a probe step's
         # pricing that wanted no probe (`_probe_wanted`), the gated probes' interval (`_gated_due`)
@@ -472,7 +473,7 @@ class DepthController:
                             jump: float) -> float:
         if jump <= 0 or self.peers is None:
             return jump
-        if self._peer_depth() > 0:
+        if self._anchored_peer_depth() > 0:
             return 0.0
         pays = position_ms * b / plain_ms if plain_ms > 0 else 1.0
         sharing = 1 + sum(1 for a, fill in self.peers.others_with_fills(self._peer, optimistic) if a * fill > pays)
@@ -493,7 +494,10 @@ class DepthController:
         rates, b = self._rates(alpha, load, optimistic, fill)
         if b > 1:  # in a batch, depth grows by doubling what has been seen (`_depth_reach`)
             rates = rates[: self._depth_reach() + 1]
-        best = batch_choice(rates, batch_margin(self.margin, b), self._peer_depth() if self._packed(b) else 0)
+        margin = batch_margin(self.margin, b)
+        best = batch_choice(rates, margin, self._anchored_peer_depth() if self._packed(b) else 0)
+        if optimistic is None and fill is None:
+            self._anchor(_argbest(rates, margin) if self._packed(b) else best)
         if optimistic is None and log.isEnabledFor(logging.DEBUG):
             cm = self.cost_model
             log.debug("depth: session %x step %d k %s alpha %.2f fill %.2f profile %s b %d verify %s draft %s "
@@ -522,6 +526,27 @@ class DepthController:
             return self._choose(load, remaining)
         finally:
             self._memo = None
+
+    def _anchored_peer_depth(self) -> int:
+        """The deepest block another session of this replica drafts on its own merit
+        (`PassPeers.deepest(anchored=True)`): what a block of this session's may join at no
+        margin, and what makes the pass packed whatever this session does.
+
+        Counting every peer's block there let the peers hold each other up: at 16 extraction
+        sessions (acceptance 0.5) each priced a block of 2 at 10-15 % above plain decoding with
+        the jump "paid anyway", drafted because the others did, and the replica ran at fixed
+        k = 2's verify work a token, 1.1-1.2x speculation off's (docs/benchmarks.md, "Anchored
+        blocks")."""
+        if self.peers is None:
+            return 0
+        peers = self.peers
+        return self._memoized(("anchored peer depth",), lambda: peers.deepest(self._peer, anchored=True))
+
+    def _anchor(self, k: int) -> None:
+        """Tell the peers the depth this session drafts at on its own merit (when it changed)."""
+        if self.peers is not None and k != self._anchored:
+            self._anchored = k
+            self.peers.anchor(self._peer, k)
 
     def _peer_depth(self) -> int:
         """The deepest block another session of this replica drafts (0 with no peers), read once

@@ -31,6 +31,7 @@ class PassPeers:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._sessions: dict[int, tuple[float, bool, float]] = {}  # handle -> (acceptance, proven, fill)
         self._depths: dict[int, int] = {}  # handle -> committed k
+        self._anchors: dict[int, int] = {}  # handle -> the depth it drafts at on its own (`anchor`)
         self._next = 0
         self._lock = threading.Lock()
         self._clock = clock
@@ -52,6 +53,7 @@ class PassPeers:
         with self._lock:
             self._sessions.pop(handle, None)
             self._depths.pop(handle, None)
+            self._anchors.pop(handle, None)
 
     def commit(self, handle: int, k: int) -> None:
         """Session `handle` now runs at depth k."""
@@ -59,10 +61,22 @@ class PassPeers:
             if handle in self._sessions:
                 self._depths[handle] = k
 
-    def deepest(self, handle: int) -> int:
-        """The largest depth another session runs at (0 if none speculates)."""
+    def anchor(self, handle: int, k: int) -> None:
+        """Session `handle` would draft k tokens on its own merit: what its estimates gain at k
+        beats the batch's margin. A session that drafts only because a peer does
+        (`depth_math.batch_choice`) anchors 0."""
         with self._lock:
-            return max((k for h, k in self._depths.items() if h != handle), default=0)
+            if handle in self._sessions:
+                self._anchors[handle] = k
+
+    def deepest(self, handle: int, anchored: bool = False) -> int:
+        """The largest depth another session runs at (0 if none speculates). `anchored`: the
+        largest another session runs at on its own merit (the smaller of its depth and its
+        anchor), so that sessions which draft only because a peer does hold no one up."""
+        with self._lock:
+            if not anchored:
+                return max((k for h, k in self._depths.items() if h != handle), default=0)
+            return max((min(k, self._anchors.get(h, 0)) for h, k in self._depths.items() if h != handle), default=0)
 
     def probe_slot(self, pass_s: float, period: int) -> bool:
         """Whether a session at k = 0 may probe now, in a pass of about `pass_s` seconds.

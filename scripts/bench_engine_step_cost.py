@@ -117,26 +117,30 @@ def engine_for(config: str, outputs: dict[tuple[int, ...], list[int]]) -> Specul
     # a settled replica, as after a bench's warm-up: passes of PASS_MS and 1.5 ms a drafted position
     costs = CostModels(factory=lambda: seeded_cost_model(PASS_MS, ms_per_position=1.5, ms_per_row=0.0))
     proposer = make_proposer("ngram", None)
-    if config == "off":
+    if config in ("off", "0"):
         return SpeculativeEngine(ReplayVerifier(outputs), proposer, k=0, cost_models=DepthPolicy("auto", 8, costs))
     return SpeculativeEngine(ReplayVerifier(outputs), proposer, k=8, depth=DepthPolicy(config, 8, costs))
 
 
-def us_per_step(config: str, outputs: dict[tuple[int, ...], list[int]], rounds: int) -> float:
-    """Thread CPU per session step over `rounds` rounds of SESSIONS requests stepped in turn."""
+def us_per_step(config: str, outputs: dict[tuple[int, ...], list[int]], rounds: int) -> tuple[float, float]:
+    """Thread CPU per session step and per token streamed over `rounds` rounds of SESSIONS
+    requests stepped in turn."""
     engine, prompts = engine_for(config, outputs), list(outputs)
-    steps, start = 0, time.thread_time()
+    steps, tokens, start = 0, 0, time.thread_time()
     for _ in range(rounds):
         live = [iter(engine.generate(list(prompts[i % len(prompts)]), SamplingParams(max_tokens=MAX_TOKENS)).chunks)
                 for i in range(SESSIONS)]
         while live:
             still = []
             for chunks in live:
-                if next(chunks, None) is not None:
+                chunk = next(chunks, None)
+                if chunk is not None:
                     steps += 1
+                    tokens += len(chunk)
                     still.append(chunks)
             live = still
-    return (time.thread_time() - start) / steps * 1e6
+    elapsed = time.thread_time() - start
+    return elapsed / steps * 1e6, elapsed / tokens * 1e6
 
 
 def main() -> None:
@@ -144,17 +148,25 @@ def main() -> None:
     parser.add_argument("--kind", default="completion", help="workload kind whose prompts run (default completion)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of 16 requests per measurement (default 6)")
     parser.add_argument("--repeats", type=int, default=3, help="measurements of each configuration (default 3)")
+    parser.add_argument("--configs", default="off,auto",
+                        help="comma list of depths: off, auto or a fixed k (default off,auto; the first is the baseline)")
     args = parser.parse_args()
     outputs = greedy_outputs(args.kind)
-    times: dict[str, list[float]] = {"off": [], "auto": []}
+    configs = args.configs.split(",")
+    for config in configs:
+        DepthPolicy("auto" if config == "off" else config)  # a bad spec fails before the outputs' minute
+    times: dict[str, list[tuple[float, float]]] = {config: [] for config in configs}
     for repeat in range(args.repeats):
-        for config in times:
+        for config in configs:
             times[config].append(us_per_step(config, outputs, args.rounds))
-            print(f"{config}: {times[config][-1]:.1f} us a session step", flush=True)
-    off, auto = (statistics.median(times[c]) for c in ("off", "auto"))
-    print(f"{args.kind}, {SESSIONS} sessions, medians: off {off:.1f} us, auto {auto:.1f} us a session step "
-          f"(auto's own: {auto - off:.1f} us; a round of {SESSIONS}: {(auto - off) * SESSIONS / 1000:.2f} ms)")
-
+            step_us, token_us = times[config][-1]
+            print(f"{config}: {step_us:.1f} us a session step, {token_us:.1f} us a token", flush=True)
+    base = statistics.median(step for step, _ in times[configs[0]])
+    for config in configs:
+        step_us = statistics.median(step for step, _ in times[config])
+        token_us = statistics.median(token for _, token in times[config])
+        print(f"{args.kind}, {SESSIONS} sessions, median {config}: {step_us:.1f} us a session step ({step_us - base:+.1f} "
+              f"vs {configs[0]}; a round of {SESSIONS}: {(step_us - base) * SESSIONS / 1000:+.2f} ms), {token_us:.1f} us a token")
 
 if __name__ == "__main__":
     main()

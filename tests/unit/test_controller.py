@@ -1504,9 +1504,32 @@ def test_in_a_packed_batch_a_modest_session_drafts_once_a_peer_drafts_as_deep() 
     assert rates[0] < max(rates[1:]) < 1.2 * rates[0]  # it gains, inside the margin
     assert modest.target(load) == 0
     sessions[1]._commit(2)
+    sessions[1]._anchor(2)  # it drafts on its own merit
     assert 1 <= modest.target(load) <= 2
     sessions[1]._commit(0)
     assert modest.target(load) == 0
+
+
+def test_sessions_that_draft_only_alongside_each_other_hold_no_one_up() -> None:
+    """Extraction at 16 sessions (acceptance about 0.5): each block of 2 gained 10-15 % on the
+    model's reading with the pass's jump "paid anyway", inside the batch margin; every session
+    drafted because the others did, and the replica did fixed k = 2's verify work a token, 1.1-1.2x
+    speculation off's. A block joins a peer's at no margin only where that peer drafts on its
+    own merit, its gain past the margin (`PassPeers.anchor`)."""
+    cm = packed_cost_model()
+    load = LoadSignal(0, 16)
+    sessions = controllers_on_one_replica([0.7] * 16, cm)
+    rates, _ = sessions[0]._rates(0.7, load, None, None)
+    assert rates[0] < max(rates[1:]) < 1.2 * rates[0]  # each gains, inside the margin
+    for s in sessions:  # all drafting, none of them on its own merit
+        s._commit(2)
+    assert [s.target(load) for s in sessions] == [0] * 16
+    anchor = DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.95, prior_weight=1000.0),
+                             peers=sessions[0].peers)
+    assert anchor.choose(load) >= 2  # a copying session: past the margin on its own
+    assert all(1 <= s.target(load) <= 2 for s in sessions)
+    anchor.close()
+    assert [s.target(load) for s in sessions] == [0] * 16
 
 
 def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts() -> None:
@@ -1528,7 +1551,8 @@ def test_the_jump_to_a_packed_pass_is_charged_to_the_first_session_that_drafts()
     others = [DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.05, prior_weight=1000.0), peers=peers)
               for _ in range(15)]
     assert good.target(load) == 0
-    others[0]._commit(2)  # a peer drafts: the pass is packed anyway
+    others[0]._commit(2)  # a peer drafts (on its own merit): the pass is packed anyway
+    others[0]._anchor(2)
     assert good.target(load) > 0
     copiers = controllers_on_one_replica([0.95] * 8 + [0.05] * 8, cm)  # eight share the jump
     for s in copiers:  # the split alone, at the estimates as they are (0.7 % from the boundary)
