@@ -1,6 +1,7 @@
 """The engine loop's own work per session step, speculation off against auto, on real outputs.
 
     PYTHONPATH=. python scripts/bench_engine_step_cost.py [--kind completion] [--rounds 6] [--repeats 3]
+    PYTHONPATH=. python scripts/bench_engine_step_cost.py --kind code_edit --configs off,2,auto
 
 `scripts/bench_auto_step_cost.py` times the controller, echo and shadow alone on a random
 context, where the lookups rarely find a match. This runs `SpeculativeEngine`'s whole loop,
@@ -8,9 +9,9 @@ with the n-gram proposer, on the kind's prompts and the bundled target's own gre
 (computed once, at the start): 16 sessions stepped in turn in one thread, against a verifier
 that replays those outputs and reports packed passes of 16 rows, so every lookup, shadow and
 echo sees the text a live session sees. Off is a fixed k = 0 whose steps still teach the
-replica's cost model (as `specd bench-load`'s "off"); auto is `--k auto`. The two alternate,
-`--repeats` times each, and the thread CPU per session step of each is printed, then their
-medians.
+replica's cost model (as `specd bench-load`'s "off"); auto is `--k auto`; `--configs` names
+others (a fixed k: "2"), the first the baseline. They alternate, `--repeats` times each, and the
+thread CPU per session step and per token streamed of each is printed, then their medians.
 
 In the live stack at 16 sessions the coordinator's CPU shares the two cores with the target's
 pass, and what it spends between one pass and the next the pass waits for: this is the part of
