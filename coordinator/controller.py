@@ -530,7 +530,8 @@ class DepthController:
     def _anchored_peer_depth(self) -> int:
         """The deepest block another session of this replica drafts on its own merit
         (`PassPeers.deepest(anchored=True)`): what a block of this session's may join at no
-        margin, and what makes the pass packed whatever this session does.
+        margin, and what makes the pass packed whatever this session does. Read once a step:
+        the policy and the jump's share each ask for it.
 
         Counting every peer's block there let the peers hold each other up: at 16 extraction
         sessions (acceptance 0.5) each priced a block of 2 at 10-15 % above plain decoding with
@@ -547,14 +548,6 @@ class DepthController:
         if self.peers is not None and k != self._anchored:
             self._anchored = k
             self.peers.anchor(self._peer, k)
-
-    def _peer_depth(self) -> int:
-        """The deepest block another session of this replica drafts (0 with no peers), read once
-        a step: the policy, the jump's share and the probe's depth each ask for it."""
-        if self.peers is None:
-            return 0
-        peers = self.peers
-        return self._memoized(("peer depth",), lambda: peers.deepest(self._peer))
 
     def _memoized(self, key: tuple, compute: Callable[[], Any]) -> Any:
         """`compute()`, once per key within one choose(). A session at k = 0 in a batch of 16
@@ -678,7 +671,7 @@ class DepthController:
             return self.probe_k
         if self.peers is None or b <= 1:
             return max(self.probe_k, echoed)
-        deepest = self._peer_depth()
+        deepest = self.peers.deepest(self._peer)
         if deepest > 0:
             return min(self.probe_k, deepest)
         plain_ms = self.cost_model.verify_ms(1, b)

@@ -169,5 +169,6 @@ def main() -> None:
         print(f"{args.kind}, {SESSIONS} sessions, median {config}: {step_us:.1f} us a session step ({step_us - base:+.1f} "
               f"vs {configs[0]}; a round of {SESSIONS}: {(step_us - base) * SESSIONS / 1000:+.2f} ms), {token_us:.1f} us a token")
 
+
 if __name__ == "__main__":
     main()
