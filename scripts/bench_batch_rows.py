@@ -3,12 +3,15 @@
     python scripts/bench_batch_rows.py [--batch 16] [--cached 200,600] [--reps 3]
 
 Times one pass of the bundled target (plain decoding, one new token per row) over `--batch`
-sessions with `--cached` tokens each, three ways, interleaved, median of 7 passes each:
+sessions with `--cached` tokens each, in several slot layouts, interleaved, median of 7 passes
+each:
 - slots 0..B-1 in order: the cache view reads them as a slice;
 - slots 0..B-1 shuffled (the order the scheduler batches sessions in): sorted by slot before
   the pass (`slot_order`), so also a slice;
-- slots 0, 2, 4, ...: not a run of slots, so every layer gathers the batch's K and V (what every
-  shuffled batch cost before the rows were sorted).
+- slots 0..B-1 but one (B - 1 rows, a session missing from the pass: its request just ended,
+  or it came back late), read as the slice 0..B-1, the gap included (`covering_rows`), and
+  gathered (every layer copies the batch's K and V first), as every such pass did before;
+- slots 0..B-1 but every fourth (3B/4 rows, four gaps): read as one slice and gathered.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import argparse
 import random
 import statistics
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
+import target_service.kv_pool as kv_pool
 from specd.models import load_model
 from target_service.batch_forward import BatchedForward, RowInput
 
@@ -31,6 +37,22 @@ def pass_ms(forward: BatchedForward, slots: list[int], cached: int, passes: int 
         forward.run(rows)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
+
+
+@contextmanager
+def gathered() -> Iterator[None]:
+    """Passes inside read rows that are not one run of slots by a gather, as before `covering_rows`."""
+    chosen = kv_pool.covering_rows
+    kv_pool.covering_rows = lambda slots, most=kv_pool.COVER_MOST: None
+    try:
+        yield
+    finally:
+        kv_pool.covering_rows = chosen
+
+
+def gathered_ms(forward: BatchedForward, slots: list[int], cached: int) -> float:
+    with gathered():
+        return pass_ms(forward, slots, cached)
 
 
 def main() -> None:
@@ -47,13 +69,17 @@ def main() -> None:
     ordered = list(range(args.batch))
     shuffled = ordered[:]
     random.Random(0).shuffle(shuffled)
-    spread = list(range(0, 2 * args.batch, 2))
+    one_gap = [slot for slot in ordered if slot != args.batch // 2]
+    several_gaps = [slot for slot in ordered if slot % 4 != 1]
     print(f"batch {args.batch}, one new token per row, median of 7 passes (ms)")
     for cached in cached_levels:
         for rep in range(args.reps):
             print(f"cached {cached} rep {rep + 1}: in order {pass_ms(forward, ordered, cached):.1f} | "
                   f"shuffled {pass_ms(forward, shuffled, cached):.1f} | "
-                  f"gathered {pass_ms(forward, spread, cached):.1f}", flush=True)
+                  f"one gap: slice {pass_ms(forward, one_gap, cached):.1f}, "
+                  f"gathered {gathered_ms(forward, one_gap, cached):.1f} | "
+                  f"every fourth missing: slice {pass_ms(forward, several_gaps, cached):.1f}, "
+                  f"gathered {gathered_ms(forward, several_gaps, cached):.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 from specd.cpu_kernels import runs_onednn
 from specd.models import LoadedModel
 from target_service.kv_pool import BatchCacheView, KVPool, KVShape
-from target_service.packed_attention import Packing, install
+from target_service.packed_attention import Packing, RowCover, install
 
 
 # torch's CPU matrix kernels (MKL) run a linear layer on 2 to 4 token rows slower than on 5 to 8
@@ -129,9 +129,9 @@ class BatchedForward:
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)
         positions = (starts[:, None] + torch.arange(n_new)[None, :]).clamp(max=self.model.max_context - 1)
         mask = attention_mask(starts, n_new, kv_length)
-        view = BatchCacheView(self.pool, [r.slot for r in rows], [r.start for r in rows], kv_length)
+        view = BatchCacheView(self.pool, [r.slot for r in rows], [r.start for r in rows], kv_length, cover=self.wrapped)
         inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                      cache=view, use_cache=True)
+                      cache=view, use_cache=True, **self._cover(view))
         if self.wrapped and len(rows) == 1 and rows[0].start == 0 and n_new == len(rows[0].tokens) > 1:
             inputs["causal_prefill"] = True  # a prompt from position 0: the mask is plain causal
         logits, hidden = self._call(inputs, features, keep_last if len(rows) == 1 else 0)
@@ -140,6 +140,10 @@ class BatchedForward:
             return [logits[0, : len(rows[0].tokens)]], feats
         return ([logits[b, : len(r.tokens)][-keep_last:] if keep_last else logits[b, : len(r.tokens)]
                  for b, r in enumerate(rows)], feats)
+
+    def _cover(self, view: BatchCacheView) -> dict:
+        """The attention's `cover` keyword where the view reads a covering slice of the pool."""
+        return {} if view.cover_rows is None else {"cover": RowCover.of(view.cover_rows, self.model.device)}
 
     def _call(self, inputs: dict, features: bool, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model on `inputs`: float32 logits (of the last `keep` positions, all with 0) and,
@@ -162,9 +166,10 @@ class BatchedForward:
         positions = torch.tensor([r.start + i for r in rows for i in range(len(r.tokens))], dtype=torch.long)[None]
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)
         mask = attention_mask(starts, max(lengths), kv_length)
-        view = BatchCacheView(self.pool, [r.slot for r in rows], [r.start for r in rows], kv_length, lengths)
+        view = BatchCacheView(self.pool, [r.slot for r in rows], [r.start for r in rows], kv_length, lengths,
+                              cover=True)
         inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                      cache=view, use_cache=True, packing=packing)
+                      cache=view, use_cache=True, packing=packing, **self._cover(view))
         logits, hidden = self._call(inputs, features)
         feats = None if hidden is None else [h.float() for h in torch.split(hidden[0], lengths)]
         return list(torch.split(logits[0], lengths)), feats

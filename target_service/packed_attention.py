@@ -101,8 +101,50 @@ def grouped_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return out.reshape(rows, heads, n, dim).transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class RowCover:
+    """Where a batch's rows sit among the pool rows its keys and values were read from: one
+    slice of the pool, gap rows included (target_service/kv_pool.py's `covering_rows`), so that
+    a batch missing a session is not gathered. Attention runs over the slice's rows, the gap rows
+    with empty queries that see every key (a row that sees none would come out as NaN), and
+    keeps the batch's rows."""
+
+    positions: tuple[int, ...]  # row b of the batch is row positions[b] of the slice
+    index: torch.Tensor
+    total: int  # rows in the slice
+
+    @classmethod
+    def of(cls, positions: list[int], device: torch.device) -> "RowCover":
+        return cls(tuple(positions), torch.tensor(positions, dtype=torch.long, device=device), positions[-1] + 1)
+
+    def spread(self, x: torch.Tensor, fill: float | bool) -> torch.Tensor:
+        """[rows, ...] -> [total, ...], the batch's rows at their places, the gap rows `fill`."""
+        out = x.new_full((self.total, *x.shape[1:]), fill)
+        out[self.index] = x
+        return out
+
+    def pick(self, x: torch.Tensor) -> torch.Tensor:
+        """[total, ...] -> [rows, ...]: the batch's rows."""
+        return x[self.index]
+
+
+def _sees_all(mask: torch.Tensor) -> bool | float:
+    """A mask entry that lets a query see its key: True in a boolean mask, 0 in an additive one."""
+    return True if mask.dtype == torch.bool else 0.0
+
+
+def covered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      scaling: float, cover: RowCover | None) -> torch.Tensor:
+    """`grouped_query_attention` of the batch's rows over keys and values read as a covering
+    slice (`RowCover`); the plain call without one."""
+    if cover is None:
+        return grouped_query_attention(query, key, value, mask, scaling)
+    return cover.pick(grouped_query_attention(cover.spread(query, 0.0), key, value,
+                                              cover.spread(mask, _sees_all(mask)), scaling))
+
+
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     packing: Packing, scaling: float) -> torch.Tensor:
+                     packing: Packing, scaling: float, cover: RowCover | None = None) -> torch.Tensor:
     """Attention of a packed pass: query [1, heads, T, d]; key/value [rows, kv_heads, L, d] (each
     row's pool entries); mask [rows, 1, n_max, L] (row b's query i sees keys 0 .. start_b + i).
     Returns [1, T, heads, d].
@@ -115,24 +157,25 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if packing.uniform:
         rows, n = len(packing.lengths), packing.lengths[0]
         grid = query[0].view(query.shape[1], rows, n, query.shape[3]).transpose(0, 1)
-        return grouped_query_attention(grid, key, value, mask, scaling).reshape(1, rows * n, query.shape[1], -1)
+        return covered_attention(grid, key, value, mask, scaling, cover).reshape(1, rows * n, query.shape[1], -1)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
     rows, c = len(packing.lengths), packing.grid
     if packing.grid_index is None:  # c = 1: each row's first token
         firsts = query[0, :, packing.firsts].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, d]
-        out[packing.firsts] = grouped_query_attention(firsts, key, value, mask[:, :, :1], scaling)[:, 0]
+        out[packing.firsts] = covered_attention(firsts, key, value, mask[:, :, :1], scaling, cover)[:, 0]
     else:
         at_row, at_col = packing.grid_index
         inside = packing.firsts[at_row] + at_col  # the grid's tokens in the packed sequence
         padded = query.new_zeros(rows, c, query.shape[1], query.shape[3])
         padded[at_row, at_col] = query[0, :, inside].transpose(0, 1)
-        grid = grouped_query_attention(padded.transpose(1, 2), key, value, mask[:, :, :c], scaling)
+        grid = covered_attention(padded.transpose(1, 2), key, value, mask[:, :, :c], scaling, cover)
         out[inside] = grid[at_row, at_col]
-    for b, (offset, n) in enumerate(zip(packing.offsets, packing.lengths)):
+    places = cover.positions if cover is not None else range(rows)
+    for b, (offset, n, p) in enumerate(zip(packing.offsets, packing.lengths, places)):
         if n > c:
             rest = query[:, :, offset + c: offset + n]
             out[offset + c: offset + n] = grouped_query_attention(
-                rest, key[b:b + 1], value[b:b + 1], mask[b:b + 1, :, c:n], scaling)[0]
+                rest, key[p:p + 1], value[p:p + 1], mask[b:b + 1, :, c:n], scaling)[0]
     return out.unsqueeze(0)
 
 
@@ -153,19 +196,23 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def packed_attention_function(inner: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., tuple[torch.Tensor, Any]]:
     """An attention function that runs `packed_attention` when the call carries a `packing`
     keyword, `causal_attention` when it says `causal_prefill`, and is `inner` (the model's own)
-    otherwise."""
+    otherwise; with a `cover` (`RowCover`), over keys and values read as a covering slice."""
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, packing: Packing | None = None, causal_prefill: bool = False,
-                  **kwargs: Any):
+                  cover: RowCover | None = None, **kwargs: Any):
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         if causal_prefill:
             assert key.shape[2] == query.shape[2], "a causal prefill starts at position 0"
             return causal_attention(query, key, value, scaling), None
         if packing is None:
-            return inner(module, query, key, value, attention_mask, **kwargs)
+            if cover is None:
+                return inner(module, query, key, value, attention_mask, **kwargs)
+            mask = None if attention_mask is None else cover.spread(attention_mask, _sees_all(attention_mask))
+            out, _ = inner(module, cover.spread(query, 0.0), key, value, mask, **kwargs)
+            return cover.pick(out), None
         assert attention_mask is not None, "a packed pass brings its per-row mask"
-        return packed_attention(query, key, value, attention_mask, packing, scaling), None
+        return packed_attention(query, key, value, attention_mask, packing, scaling, cover), None
 
     return attention
 

@@ -53,3 +53,47 @@ def test_shuffled_rows_match_each_row_alone_and_read_a_slice(tiny, monkeypatch) 
     for slot, logits in zip(shuffled, batched):
         torch.testing.assert_close(logits, alone[slot], rtol=1e-4, atol=1e-4)
     assert len(views) == 1 and views[0].slots == sorted(shuffled) and views[0]._range is not None
+
+
+def test_covering_rows_reads_a_slice_over_a_few_gaps_and_gathers_past_that() -> None:
+    assert kv_pool.covering_rows([0, 1, 2, 3]) is None  # contiguous: the slice is the batch
+    assert kv_pool.covering_rows([0, 1, 3, 4]) == [0, 1, 3, 4]
+    assert kv_pool.covering_rows([2, 3, 5]) == [0, 1, 3]
+    assert kv_pool.covering_rows([0, 5]) is None  # a slice of 6 rows for 2: gathered
+    assert kv_pool.covering_rows([0, 1, 2, 3, 5]) == [0, 1, 2, 3, 5]  # 6 rows for 5: within 1.5x
+    assert kv_pool.covering_rows([0, 1, 2, 6]) is None  # 7 rows for 4: past 1.5x
+
+
+@pytest.mark.parametrize("packed,blocks", [(False, [1, 1, 1, 1, 1]), (True, [1, 4, 1, 2, 3]), (True, [3] * 5),
+                                           (True, [1, 1, 6, 1, 1])])
+def test_rows_with_gaps_between_their_slots_match_each_row_alone_without_a_gather(tiny, monkeypatch, packed,
+                                                                                  blocks) -> None:
+    """A batch missing the sessions in slots 1 and 4 (their requests just ended, or they came
+    back late) reads slots 0..6 as one slice, the gaps included, and every row still gets what it
+    gets alone: plain decoding (the model's own attention), packed blocks of several lengths
+    (first tokens, then rows), a uniform grid, and one long block's rest in a call of its own."""
+    forward = BatchedForward(tiny, packed=packed)
+    rng = random.Random(len(blocks) + sum(blocks))
+    slots = [forward.pool.allocate() for _ in range(7)]
+    prompts = {slot: [rng.randrange(48) for _ in range(4 + 3 * slot)] for slot in slots}
+    for slot, ids in prompts.items():  # every slot holds a session's keys, the gaps' too
+        forward.run([RowInput(slot, 0, ids)], keep_last=1)
+    present = [0, 2, 3, 5, 6]
+    new = {slot: [rng.randrange(48) for _ in range(n)] for slot, n in zip(present, blocks)}
+    rows = [RowInput(slot, len(prompts[slot]), new[slot]) for slot in present]
+    alone = {row.slot: forward.run([row])[0] for row in rows}
+
+    views: list[kv_pool.BatchCacheView] = []
+    real_view = kv_pool.BatchCacheView
+
+    def recording_view(*args, **kwargs):
+        views.append(real_view(*args, **kwargs))
+        return views[-1]
+
+    monkeypatch.setattr("target_service.batch_forward.BatchCacheView", recording_view)
+    batched = forward.run(rows)
+    assert len(views) == 1 and views[0]._range == slice(0, 7) and views[0]._index is None
+    assert views[0].cover_rows == present
+    for row, logits in zip(rows, batched):
+        assert logits.shape == (len(row.tokens), 48)
+        torch.testing.assert_close(logits, alone[row.slot], rtol=1e-4, atol=1e-4)
