@@ -19,6 +19,19 @@ def tiny(tmp_path_factory):
                                                  max_position_embeddings=256)))
 
 
+def recorded_views(monkeypatch) -> list[kv_pool.BatchCacheView]:
+    """The cache views the batched passes create from now on, in order."""
+    views: list[kv_pool.BatchCacheView] = []
+    real_view = kv_pool.BatchCacheView
+
+    def recording_view(*args, **kwargs):
+        views.append(real_view(*args, **kwargs))
+        return views[-1]
+
+    monkeypatch.setattr("target_service.batch_forward.BatchCacheView", recording_view)
+    return views
+
+
 def test_slot_order_sorts_and_inverts() -> None:
     rows = [RowInput(slot, 0, [1]) for slot in (5, 2, 9, 0)]
     order = slot_order(rows)
@@ -38,14 +51,7 @@ def test_shuffled_rows_match_each_row_alone_and_read_a_slice(tiny, monkeypatch) 
     blocks = {slot: [rng.randrange(48) for _ in range(3)] for slot in slots}
     alone = {slot: forward.run([RowInput(slot, len(prompts[slot]), blocks[slot])])[0] for slot in slots}
 
-    views: list[kv_pool.BatchCacheView] = []
-    real_view = kv_pool.BatchCacheView
-
-    def recording_view(*args, **kwargs):
-        views.append(real_view(*args, **kwargs))
-        return views[-1]
-
-    monkeypatch.setattr("target_service.batch_forward.BatchCacheView", recording_view)
+    views = recorded_views(monkeypatch)
     shuffled = slots[:]
     rng.shuffle(shuffled)
     assert shuffled != sorted(shuffled)
@@ -83,14 +89,7 @@ def test_rows_with_gaps_between_their_slots_match_each_row_alone_without_a_gathe
     rows = [RowInput(slot, len(prompts[slot]), new[slot]) for slot in present]
     alone = {row.slot: forward.run([row])[0] for row in rows}
 
-    views: list[kv_pool.BatchCacheView] = []
-    real_view = kv_pool.BatchCacheView
-
-    def recording_view(*args, **kwargs):
-        views.append(real_view(*args, **kwargs))
-        return views[-1]
-
-    monkeypatch.setattr("target_service.batch_forward.BatchCacheView", recording_view)
+    views = recorded_views(monkeypatch)
     batched = forward.run(rows)
     assert len(views) == 1 and views[0]._range == slice(0, 7) and views[0]._index is None
     assert views[0].cover_rows == present
