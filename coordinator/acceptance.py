@@ -3,6 +3,7 @@ across the sessions of one (replica, method), which a new session starts from.""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from typing import Callable, Sequence
@@ -159,16 +160,44 @@ class AcceptanceEstimator:
             caps = self.ceilings() if self.ceilings is not None else []
             if rates or caps:
                 unseen = self.continuation_rate if rates else self.alpha
-                known = [j for j, cap in enumerate(caps) if cap is not None]
-                deepest = known[-1] if known and known[-1] >= drafted else depth
-                for j in range(drafted, depth):
-                    if j < len(caps) and caps[j] is not None:
-                        cap = caps[j]
-                    else:
-                        cap = caps[deepest] if j > deepest else 1.0
-                    rates.append(min(unseen, cap))
+                rates += [min(unseen, cap) for cap in self.unseen_caps(depth, caps)[drafted:]]
         return rates
 
+    def unseen_caps(self, depth: int, caps: Sequence[float | None] | None = None) -> list[float]:
+        """The ceiling `profile` puts on each of positions 0..depth - 1 where this session has
+        not drafted it itself (1: none, and 1 at the positions it has drafted): the method's
+        recent rate there (`caps`, by default `ceilings()`), or past the deepest position the
+        recent sessions tried, the rate at that deepest one, where that lies at or past this
+        session's own positions."""
+        drafted = min(len(self.trials), depth)
+        if caps is None:
+            caps = self.ceilings() if self.ceilings is not None else []
+        known = [j for j, cap in enumerate(caps) if cap is not None]
+        deepest = known[-1] if known and known[-1] >= drafted else depth
+        out = [1.0] * depth
+        for j in range(drafted, depth):
+            if j < len(caps) and caps[j] is not None:
+                out[j] = caps[j]
+            elif j > deepest:
+                out[j] = caps[deepest]
+        return out
+
+
+    def mixture_caps(self, depth: int, z: float = 1.0) -> list[float]:
+        """The ceilings a mixture over the method's prompts (`MixturePrior.tokens`) puts on each
+        of positions 0..depth - 1 for this session: at a position it has drafted, its own rate
+        there z standard errors high; at one it has not, its method's (`unseen_caps`).
+
+        A recent session's acceptance is one rate over its blocks. A session whose second
+        position has failed ten times in ten is not priced there at the rate of the prompt it is
+        likeliest to be, while one that has tried a position once or twice is left to the
+        mixture, whose posterior is what weighs so little evidence: the bound is high then."""
+        caps = self.unseen_caps(depth)
+        w = self.prior_weight
+        for j, r in enumerate(self.position_rates[:depth]):
+            n = self.trials[j] + w
+            caps[j] = min(r + z * math.sqrt(r * (1.0 - r) / n), 1.0)
+        return caps
 
 class SharedAcceptance:
     """Acceptance across the sessions of one (replica, method): a new session starts from it

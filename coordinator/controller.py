@@ -39,7 +39,7 @@ from coordinator.cost_model import CostModel
 from coordinator.depth_math import (MIXTURE_TRIALS, Costs, LoadSignal, _argbest, acceptance_lower_bound,
                                     batch_choice, batch_margin, best_depth, best_reading, depth_rates,
                                     expected_tokens, load_penalty, mixture_tokens, packed_rates, pass_alphas,
-                                    pass_rates, pass_sessions)
+                                    pass_rates, pass_sessions, profile_tokens)
 from coordinator.pass_peers import PassPeers
 from coordinator.running_mean import RunningMean
 from coordinator.step_reuse import StepReuse
@@ -70,6 +70,7 @@ __all__ = [
     "packed_rates",
     "pass_rates",
     "pass_sessions",
+    "profile_tokens",
     "probe_period",
 ]
 
@@ -145,6 +146,13 @@ class DepthController:
     side of the current k (all higher or all lower) for `switch_after` consecutive steps. Near a
     decision boundary the rates of neighbouring depths are nearly equal, so noise there costs
     little throughput, while switching back and forth does cost (pipelines and caches restart).
+    One exception (auto, in a packed batch): a session whose last block went through whole, as
+    deep as it asked, takes a deeper choice at once. Such a block says only that the copy runs at
+    least that far, and at 16 sessions, where every depth's rate lies within a few percent of the
+    next (each row's pass is mostly the other rows'), the margin held code edits whose copy had
+    begun at blocks of 2 for five steps, each accepted whole, while the policy asked for 3 to 5
+    (docs/benchmarks.md, "Copies that begin late, at 16 sessions"). In a packed pass a row's
+    depth is its own, so a switch restarts nothing the other rows share.
     Turning off for the floor is immediate. In a batch depth grows by doubling what has been
     seen (`_depth_reach`).
 
@@ -240,11 +248,13 @@ class DepthController:
         self._echo_streak = 0  # k = 0 steps in a row whose token echoed the context
         self._echo_needed = ECHO_STREAK  # the streak that makes the next echo probe
         self._echo_probe = False  # the last step chosen was a probe called by echoes
+        self._went_through = False  # the last step's block was as deep as asked and accepted whole
         self._remaining: int | None = None  # tokens the request may still produce, as the last choose() was told
         self._saving_cache: tuple[tuple[int, int], float] | None = None  # (shared version, batch) -> ms/token
         # the last `_mixture_tokens` result, with its prior and (successes, trials, fill): a
         # session at k = 0 asks the same at step after step until its trials or fill change
         self._mixture_last: tuple[Any, tuple[float, float, float], list[float]] | None = None
+        self._floor_last: tuple[Any, tuple[Any, ...], list[float]] | None = None  # `_mixture_floor`'s, alike
         # within one choose(): what its probe and rate lookups share (`_memoized`); None outside
         self._memo: dict[tuple, Any] | None = None
         # whether observe() hears echoes (coordinator/echo.py: the engine checks them for methods
@@ -413,6 +423,10 @@ class DepthController:
             evidence = self.estimator.profile_evidence(len(profile))
             profile = [acceptance_lower_bound(r, n, self.batch_z) for r, n in zip(profile, evidence)]
             alpha = acceptance_lower_bound(alpha, self.estimator.weight, self.batch_z)
+            floor = self._mixture_floor(fill)
+            if floor is not None:  # at least what the prompts it is like are worth, a quantile low
+                own = profile_tokens(alpha, profile, fill, self.k_max)
+                expected = [max(a, b) for a, b in zip(own, floor)]
         penalty = load_penalty(load)
         plain, draft = cm.verify_ms(1, b), cm.draft_costs(self.k_max)
         readings = self._memoized(("readings", b), lambda: self._cost_readings(b))
@@ -448,6 +462,35 @@ class DepthController:
         expected = prior.tokens(successes, trials, fill)
         self._mixture_last = (prior, (successes, trials, fill), expected)
         return expected
+
+    def _mixture_floor(self, fill: float) -> list[float] | None:
+        """Past MIXTURE_TRIALS, the tokens a step at each k is worth at least: those of the
+        recent prompt this session is like at the posterior's low quantile
+        (`MixturePrior.quantile_tokens`), its rates capped per position by its own evidence and
+        its method's (`AcceptanceEstimator.mixture_caps`); None while the method has too few
+        recent sessions.
+
+        Its own per-position rates a standard error low price a copy that began late too low:
+        a code edit whose first block missed at position 0, before its copy began, and whose
+        next blocks went through whole left the mixture after its third block, with one to three
+        trials a position, each priced at 0.6-0.7 where every one had gone through. Priced at
+        their product it drafted blocks of 2 to 6 for the rest of a copy a block of 16 would have
+        taken. Its posterior then lies on the method's copying prompts, and their low quantile
+        is a bound that does not compound position by position (docs/benchmarks.md, "Copies
+        that begin late, at 16 sessions")."""
+        if self.shared is None:
+            return None
+        prior = self.shared.mixture_prior(self.k_max)
+        if prior is None:
+            return None
+        key = (sum(self.estimator.successes), sum(self.estimator.trials), fill,
+               tuple(self.estimator.mixture_caps(self.k_max, self.batch_z)))
+        last = self._floor_last
+        if last is not None and last[0] is prior and last[1] == key:
+            return last[2]
+        floor = prior.quantile_tokens(key[0], key[1], fill, key[3])
+        self._floor_last = (prior, key, floor)
+        return floor
 
     def _jump_share(self, b: int, plain_ms: float, position_ms: float, optimistic: float | None = None,
                     jump_ms: float | None = None) -> float:
@@ -606,12 +649,13 @@ class DepthController:
             side = 1 if target > self.k else -1
             self._pending_steps = self._pending_steps + 1 if side == self._pending_side else 1
             self._pending_side = side
-            better, off_in_batch = False, False
+            better, off_in_batch, grows_in_batch = False, False, False
             if self.mode == "auto":
                 rates, b = self._rates(self.estimator.alpha, load)
                 better = rates[target] > rates[self.k] * (1.0 + self.switch_margin)
                 off_in_batch = target == 0 and b > 1 and self._pending_steps >= BATCH_OFF_STEPS
-            if better or off_in_batch or self._pending_steps >= self.switch_after:
+                grows_in_batch = side > 0 and self.k > 0 and self._went_through and self._packed(b)
+            if better or off_in_batch or grows_in_batch or self._pending_steps >= self.switch_after:
                 self._commit(target)
         k = self.k
         assert k is not None
@@ -851,6 +895,7 @@ class DepthController:
             self._echo_needed = min(2 * self._echo_needed, ECHO_STREAK_MAX)
         self._echo_probe = False
         self._echo_streak = self._echo_streak + 1 if k == 0 and echo else 0
+        self._went_through = 0 < k == num_accepted and (requested is None or k >= requested)
         if self._probed and k == 0:
             self._probed = False
             self._idle_steps = self._interval

@@ -46,6 +46,9 @@ MIXTURE_GRID = (0.1, 0.3, 0.5, 0.7, 0.9, 0.98)
 # this; then by its own per-position rates, a standard error low (`DepthController._packed_rates`):
 # with the evidence of a few blocks, where each position stands, not one rate, says how deep.
 MIXTURE_TRIALS = 8.0
+# Past MIXTURE_TRIALS a session's tokens are at least those of the recent prompt it is like at this
+# posterior quantile (`MixturePrior.quantile_tokens`): the mixture's "a standard error low".
+MIXTURE_FLOOR_QUANTILE = 0.16
 
 
 def mixture_tokens(recent: Sequence[float], successes: float, trials: float, fill: float, k_max: int,
@@ -98,15 +101,42 @@ class MixturePrior:
         self._gains = np.concatenate([np.zeros((len(components), 1)),
                                       np.cumsum(rates[:, None] ** np.arange(1, k_max + 1), axis=1)], axis=1)
 
-    def tokens(self, successes: float, trials: float, fill: float) -> list[float]:
+    def tokens(self, successes: float, trials: float, fill: float,
+               caps: Sequence[float] | None = None) -> list[float]:
         """Expected tokens of a step at k = 0..k_max after `successes` of `trials` drafted
-        positions, at `fill` (`mixture_tokens`)."""
+        positions, at `fill` (`mixture_tokens`). `caps` (optional, one per position 0..k_max - 1,
+        1 for none): the most each component may accept there (`AcceptanceEstimator.mixture_caps`)."""
+        posterior = self._posterior(successes, trials)
+        scale = min(max(float(fill), 0.0), 1.0) / posterior.sum()
+        gains = self._gains if caps is None or min(caps) >= 1.0 else self._capped_gains(caps)
+        return (1.0 + scale * (posterior @ gains)).tolist()
+
+    def quantile_tokens(self, successes: float, trials: float, fill: float, caps: Sequence[float] | None = None,
+                        quantile: float = MIXTURE_FLOOR_QUANTILE) -> list[float]:
+        """Expected tokens of a step at k = 0..k_max were the session's acceptance the
+        component at `quantile` of its posterior (components in order of acceptance): the
+        mixture's lower bound, where `tokens` is its mean."""
+        posterior = self._posterior(successes, trials)
+        cumulative = np.cumsum(posterior) / posterior.sum()
+        i = min(int(np.searchsorted(cumulative, quantile)), len(cumulative) - 1)
+        gains = self._gains if caps is None or min(caps) >= 1.0 else self._capped_gains(caps)
+        return (1.0 + min(max(float(fill), 0.0), 1.0) * gains[i]).tolist()
+
+    def _posterior(self, successes: float, trials: float) -> np.ndarray:
+        """The components' posterior weights (unnormalized) after `successes` of `trials`."""
         n = max(float(trials), 0.0)
         s = min(max(float(successes), 0.0), n)
         logs = self._log_prior + s * self._log_accept + (n - s) * self._log_reject
-        posterior = np.exp(logs - logs.max())
-        scale = min(max(float(fill), 0.0), 1.0) / posterior.sum()
-        return (1.0 + scale * (posterior @ self._gains)).tolist()
+        return np.exp(logs - logs.max())
+
+    def _capped_gains(self, caps: Sequence[float]) -> np.ndarray:
+        """gains[i, k] with component i's rate at position j at most caps[j]."""
+        rates = np.exp(self._log_accept)
+        ceiling = np.ones(self.k_max)
+        given = np.asarray(caps[: self.k_max], dtype=float)
+        ceiling[: len(given)] = given
+        capped = np.minimum(rates[:, None], ceiling[None, :])
+        return np.concatenate([np.zeros((len(rates), 1)), np.cumsum(np.cumprod(capped, axis=1), axis=1)], axis=1)
 
 
 def _cost_list(costs: Costs, k_max: int) -> list[float]:
@@ -235,6 +265,17 @@ def packed_rates(alpha: float, draft_cost_ms: Costs, plain_ms: float, position_m
         rates.append(tokens / cost if cost > 0 else math.inf)
     return rates
 
+
+
+def profile_tokens(alpha: float, profile: Sequence[float], fill: float, k_max: int) -> list[float]:
+    """Expected tokens of a step at k = 0..k_max whose position i accepts at profile[i] given
+    the ones before it (at `alpha` past the profile), at `fill`: what `packed_rates` counts."""
+    f = min(max(float(fill), 0.0), 1.0)
+    power, tokens = 1.0, [1.0]
+    for k in range(1, k_max + 1):
+        power *= min(max(float(profile[k - 1] if k <= len(profile) else alpha), 0.0), 1.0)
+        tokens.append(tokens[-1] + f * power)
+    return tokens
 
 def best_reading(rates_by_reading: Sequence[Sequence[float]]) -> list[float]:
     """Each depth's rate under the reading of the costs that favours it most: where the passes

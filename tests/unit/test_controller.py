@@ -39,8 +39,10 @@ from coordinator.controller import (
     pass_rates,
     pass_sessions,
     probe_period,
+    profile_tokens,
 )
 from coordinator.cost_model import STALE_PASSES, jump_reading_line, slope_by_precision
+from coordinator.depth_math import MIXTURE_TRIALS
 from coordinator.echo import EchoLookup, ShadowDraft, echo_guess, echo_hit
 from coordinator.running_mean import RunningMean
 from coordinator.step_reuse import StepReuse
@@ -1660,6 +1662,78 @@ def test_in_a_batch_a_new_session_drafts_from_its_first_step_when_its_methods_pr
     monkeypatch.setattr(controller_module, "MIXTURE_TRIALS", 0.0)
     assert session([]).target(load) == 0
 
+
+def test_past_eight_trials_a_copy_that_began_late_is_priced_at_least_at_its_methods_copying_prompts() -> None:
+    """A code edit whose first block missed at position 0 (its copy had not begun), then three
+    blocks of 2 accepted whole, each with a shadow's position past it: ten trials, past the
+    mixture's. Its own rates a standard error low (one to four trials a position) make a block of
+    8 worth 4.5 tokens; its posterior over its method's prompts (two that copy, one that does
+    not) lies on the copying ones, and their low quantile, the floor it is priced at, says about
+    7. A session whose second position failed at every try is held there by its own evidence:
+    the floor adds nothing past its first position."""
+    cm = packed_cost_model_here()
+
+    def session(blocks: list[tuple[int, int, tuple[int, int, int] | None]]) -> DepthController:
+        peers = PassPeers()
+        shared = shared_after_sessions([0.95, 0.95, 0.45] * 11)
+        sessions = [make_controller("auto", K_MAX, cm, shared, peers) for _ in range(16)]
+        for s in sessions:
+            s.observe(0, 0, 0.0, 195.0, 16, pass_positions=16, packed=True)
+        own = sessions[0]
+        for drafted, accepted, shadow in blocks:
+            own.observe(drafted, accepted, 0.0, 195.0, 16, pass_positions=16 + drafted, packed=True,
+                        requested=drafted, shadow=shadow)
+        assert sum(own.estimator.trials) > MIXTURE_TRIALS and own._mixture_tokens(own.fill.mean) is None
+        return own
+
+    def own_tokens(own: DepthController) -> list[float]:
+        rates = own.estimator.profile(K_MAX)
+        evidence = own.estimator.profile_evidence(K_MAX)
+        low = [acceptance_lower_bound(r, n, own.batch_z) for r, n in zip(rates, evidence)]
+        alpha = acceptance_lower_bound(own.estimator.alpha, own.estimator.weight, own.batch_z)
+        return profile_tokens(alpha, low, own.fill.mean, K_MAX)
+
+    copy = session([(8, 0, None)] + [(2, 2, (3, 3, 2))] * 3)
+    floor = copy._mixture_floor(copy.fill.mean)
+    assert floor is not None and floor[8] > 1.4 * own_tokens(copy)[8]
+    prose = session([(2, 1, None)] * 8)  # position 1 tried eight times, never accepted
+    floor = prose._mixture_floor(prose.fill.mean)
+    assert floor is not None and floor[2] - floor[1] < 0.15  # its second position capped by its own evidence (0.2 uncapped)
+    assert prose.target(LoadSignal(0, 16)) <= 1
+
+
+def test_in_a_batch_a_block_accepted_whole_lets_its_session_go_deeper_inside_the_margin() -> None:
+    """At 16 sessions each depth's rate lies within a few percent of the next, and the switch
+    margin held copying sessions at their depth while every block went through whole. A block
+    accepted whole, as deep as asked, lets the policy's deeper choice through at once; a block
+    that came back short of what was asked (the match ran out) does not count as one."""
+    cm = packed_cost_model_here()
+    load = LoadSignal(0, 16)
+    peers = PassPeers()
+    shared = shared_after_sessions([0.95, 0.95, 0.45] * 11)
+    sessions = [make_controller("auto", K_MAX, cm, shared, peers) for _ in range(16)]
+    for s in sessions:
+        s.observe(0, 0, 0.0, 195.0, 16, pass_positions=16, packed=True)
+    own = sessions[0]
+    own.choose(load)
+    own.observe(8, 0, 0.0, 195.0, 16, pass_positions=24, packed=True, requested=8)  # the copy had not begun
+    own.choose(load)
+    grew_inside_margin = False
+    for _ in range(8):
+        k = own.k
+        assert k is not None
+        own.observe(k, k, 0.0, 195.0, 16, pass_positions=16 + k, packed=True, requested=k,
+                    shadow=(k + 1, k + 1, k))  # and the position past it, a shadow's
+        target = own.target(load)
+        rates, _ = own._rates(own.estimator.alpha, load)
+        inside = k > 0 and target > k and rates[target] < rates[k] * (1.0 + own.switch_margin)
+        chosen = own.choose(load)
+        if inside:
+            assert chosen == target  # the margin alone would have held it at k for switch_after steps
+            grew_inside_margin = True
+    assert grew_inside_margin
+    own.observe(own.k, own.k, 0.0, 195.0, 16, pass_positions=16 + own.k, packed=True, requested=own.k + 2)
+    assert not own._went_through  # drafted all it found, less than it asked
 
 def test_in_a_batch_a_high_estimate_from_a_few_trials_does_not_turn_speculation_on() -> None:
     """A short request's estimate after a copied span (three of four blocks of 2 accepted whole)
