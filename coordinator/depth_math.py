@@ -119,8 +119,14 @@ class MixturePrior:
         posterior = self._posterior(successes, trials)
         cumulative = np.cumsum(posterior) / posterior.sum()
         i = min(int(np.searchsorted(cumulative, quantile)), len(cumulative) - 1)
-        gains = self._gains if caps is None or min(caps) >= 1.0 else self._capped_gains(caps)
-        return (1.0 + min(max(float(fill), 0.0), 1.0) * gains[i]).tolist()
+        f = min(max(float(fill), 0.0), 1.0)
+        if caps is None or min(caps) >= 1.0:
+            return (1.0 + f * self._gains[i]).tolist()
+        rate, power, tokens = float(np.exp(self._log_accept[i])), 1.0, [1.0]
+        for k in range(self.k_max):
+            power *= min(rate, float(caps[k])) if k < len(caps) else rate
+            tokens.append(tokens[-1] + f * power)
+        return tokens
 
     def _posterior(self, successes: float, trials: float) -> np.ndarray:
         """The components' posterior weights (unnormalized) after `successes` of `trials`."""

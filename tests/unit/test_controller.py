@@ -42,7 +42,7 @@ from coordinator.controller import (
     profile_tokens,
 )
 from coordinator.cost_model import STALE_PASSES, jump_reading_line, slope_by_precision
-from coordinator.depth_math import MIXTURE_TRIALS
+from coordinator.depth_math import MIXTURE_TRIALS, MixturePrior
 from coordinator.echo import EchoLookup, ShadowDraft, echo_guess, echo_hit
 from coordinator.running_mean import RunningMean
 from coordinator.step_reuse import StepReuse
@@ -1609,6 +1609,20 @@ def test_a_methods_mixture_prior_is_built_once_per_set_of_recent_sessions() -> N
     assert shared_after_sessions([0.9] * 3).mixture_prior(8) is None  # too few sessions to say
 
 
+
+def test_a_mixture_priors_quantile_tokens_are_one_recent_prompts_capped_where_asked() -> None:
+    """`MixturePrior.quantile_tokens`: the expected tokens of the component at a quantile of the
+    posterior (components in order of acceptance), with its rate capped per position where
+    caps are given; evidence moves the quantile's component."""
+    prior = MixturePrior([0.3, 0.9], 4, diffuse=0.0, grid=())
+    low = [1.0 + sum(0.3 ** i for i in range(1, k + 1)) for k in range(5)]
+    assert prior.quantile_tokens(0, 0, 1.0, quantile=0.1) == pytest.approx(low)
+    assert prior.quantile_tokens(0, 0, 1.0, quantile=0.9)[4] == pytest.approx(1 + 0.9 + 0.81 + 0.729 + 0.6561)
+    assert prior.quantile_tokens(8, 8, 1.0, quantile=0.1)[4] > 3.0  # eight of eight: the low quantile is 0.9 now
+    capped = prior.quantile_tokens(8, 8, 0.5, [1.0, 0.5, 1.0, 1.0], quantile=0.1)
+    assert capped == pytest.approx([1.0, 1.45, 1.45 + 0.5 * 0.45, 1.45 + 0.5 * (0.45 + 0.405),
+                                    1.45 + 0.5 * (0.45 + 0.405 + 0.3645)])
+
 def test_a_session_reuses_its_mixture_tokens_until_its_evidence_or_fill_changes() -> None:
     """A session at k = 0 asks for the same posterior step after step: it is kept, and it is
     `MixturePrior.tokens` of the session's current evidence whenever that changes."""
@@ -1698,7 +1712,8 @@ def test_past_eight_trials_a_copy_that_began_late_is_priced_at_least_at_its_meth
     assert floor is not None and floor[8] > 1.4 * own_tokens(copy)[8]
     prose = session([(2, 1, None)] * 8)  # position 1 tried eight times, never accepted
     floor = prose._mixture_floor(prose.fill.mean)
-    assert floor is not None and floor[2] - floor[1] < 0.15  # its second position capped by its own evidence (0.2 uncapped)
+    # its second position capped by its own evidence (0.2 uncapped)
+    assert floor is not None and floor[2] - floor[1] < 0.15
     assert prose.target(LoadSignal(0, 16)) <= 1
 
 
