@@ -1677,6 +1677,17 @@ def test_in_a_batch_a_new_session_drafts_from_its_first_step_when_its_methods_pr
     assert session([]).target(load) == 0
 
 
+def code_edit_batch_session(cm: CostModel) -> DepthController:
+    """The first of 16 auto sessions in a packed batch, each past one plain pass, whose method's
+    recent sessions are code edits: two prompts that copy (0.95), one that does not (0.45)."""
+    peers = PassPeers()
+    shared = shared_after_sessions([0.95, 0.95, 0.45] * 11)
+    sessions = [make_controller("auto", K_MAX, cm, shared, peers) for _ in range(16)]
+    for s in sessions:
+        s.observe(0, 0, 0.0, 195.0, 16, pass_positions=16, packed=True)
+    return sessions[0]
+
+
 def test_past_eight_trials_a_copy_that_began_late_is_priced_at_least_at_its_methods_copying_prompts() -> None:
     """A code edit whose first block missed at position 0 (its copy had not begun), then three
     blocks of 2 accepted whole, each with a shadow's position past it: ten trials, past the
@@ -1688,12 +1699,7 @@ def test_past_eight_trials_a_copy_that_began_late_is_priced_at_least_at_its_meth
     cm = packed_cost_model_here()
 
     def session(blocks: list[tuple[int, int, tuple[int, int, int] | None]]) -> DepthController:
-        peers = PassPeers()
-        shared = shared_after_sessions([0.95, 0.95, 0.45] * 11)
-        sessions = [make_controller("auto", K_MAX, cm, shared, peers) for _ in range(16)]
-        for s in sessions:
-            s.observe(0, 0, 0.0, 195.0, 16, pass_positions=16, packed=True)
-        own = sessions[0]
+        own = code_edit_batch_session(cm)
         for drafted, accepted, shadow in blocks:
             own.observe(drafted, accepted, 0.0, 195.0, 16, pass_positions=16 + drafted, packed=True,
                         requested=drafted, shadow=shadow)
@@ -1724,12 +1730,7 @@ def test_in_a_batch_a_block_accepted_whole_lets_its_session_go_deeper_inside_the
     that came back short of what was asked (the match ran out) does not count as one."""
     cm = packed_cost_model_here()
     load = LoadSignal(0, 16)
-    peers = PassPeers()
-    shared = shared_after_sessions([0.95, 0.95, 0.45] * 11)
-    sessions = [make_controller("auto", K_MAX, cm, shared, peers) for _ in range(16)]
-    for s in sessions:
-        s.observe(0, 0, 0.0, 195.0, 16, pass_positions=16, packed=True)
-    own = sessions[0]
+    own = code_edit_batch_session(cm)
     own.choose(load)
     own.observe(8, 0, 0.0, 195.0, 16, pass_positions=24, packed=True, requested=8)  # the copy had not begun
     own.choose(load)
