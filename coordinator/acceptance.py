@@ -182,7 +182,6 @@ class AcceptanceEstimator:
                 out[j] = caps[deepest]
         return out
 
-
     def mixture_caps(self, depth: int, z: float = 1.0) -> list[float]:
         """The ceilings a mixture over the method's prompts (`MixturePrior.tokens`) puts on each
         of positions 0..depth - 1 for this session: at a position it has drafted, its own rate
@@ -198,6 +197,7 @@ class AcceptanceEstimator:
             n = self.trials[j] + w
             caps[j] = min(r + z * math.sqrt(r * (1.0 - r) / n), 1.0)
         return caps
+
 
 class SharedAcceptance:
     """Acceptance across the sessions of one (replica, method): a new session starts from it

@@ -101,15 +101,12 @@ class MixturePrior:
         self._gains = np.concatenate([np.zeros((len(components), 1)),
                                       np.cumsum(rates[:, None] ** np.arange(1, k_max + 1), axis=1)], axis=1)
 
-    def tokens(self, successes: float, trials: float, fill: float,
-               caps: Sequence[float] | None = None) -> list[float]:
+    def tokens(self, successes: float, trials: float, fill: float) -> list[float]:
         """Expected tokens of a step at k = 0..k_max after `successes` of `trials` drafted
-        positions, at `fill` (`mixture_tokens`). `caps` (optional, one per position 0..k_max - 1,
-        1 for none): the most each component may accept there (`AcceptanceEstimator.mixture_caps`)."""
+        positions, at `fill` (`mixture_tokens`)."""
         posterior = self._posterior(successes, trials)
         scale = min(max(float(fill), 0.0), 1.0) / posterior.sum()
-        gains = self._gains if caps is None or min(caps) >= 1.0 else self._capped_gains(caps)
-        return (1.0 + scale * (posterior @ gains)).tolist()
+        return (1.0 + scale * (posterior @ self._gains)).tolist()
 
     def quantile_tokens(self, successes: float, trials: float, fill: float, caps: Sequence[float] | None = None,
                         quantile: float = MIXTURE_FLOOR_QUANTILE) -> list[float]:
@@ -119,14 +116,10 @@ class MixturePrior:
         posterior = self._posterior(successes, trials)
         cumulative = np.cumsum(posterior) / posterior.sum()
         i = min(int(np.searchsorted(cumulative, quantile)), len(cumulative) - 1)
-        f = min(max(float(fill), 0.0), 1.0)
         if caps is None or min(caps) >= 1.0:
-            return (1.0 + f * self._gains[i]).tolist()
-        rate, power, tokens = float(np.exp(self._log_accept[i])), 1.0, [1.0]
-        for k in range(self.k_max):
-            power *= min(rate, float(caps[k])) if k < len(caps) else rate
-            tokens.append(tokens[-1] + f * power)
-        return tokens
+            return (1.0 + min(max(float(fill), 0.0), 1.0) * self._gains[i]).tolist()
+        rate = float(np.exp(self._log_accept[i]))
+        return profile_tokens(rate, [min(rate, float(cap)) for cap in caps], fill, self.k_max)
 
     def _posterior(self, successes: float, trials: float) -> np.ndarray:
         """The components' posterior weights (unnormalized) after `successes` of `trials`."""
@@ -134,15 +127,6 @@ class MixturePrior:
         s = min(max(float(successes), 0.0), n)
         logs = self._log_prior + s * self._log_accept + (n - s) * self._log_reject
         return np.exp(logs - logs.max())
-
-    def _capped_gains(self, caps: Sequence[float]) -> np.ndarray:
-        """gains[i, k] with component i's rate at position j at most caps[j]."""
-        rates = np.exp(self._log_accept)
-        ceiling = np.ones(self.k_max)
-        given = np.asarray(caps[: self.k_max], dtype=float)
-        ceiling[: len(given)] = given
-        capped = np.minimum(rates[:, None], ceiling[None, :])
-        return np.concatenate([np.zeros((len(rates), 1)), np.cumsum(np.cumprod(capped, axis=1), axis=1)], axis=1)
 
 
 def _cost_list(costs: Costs, k_max: int) -> list[float]:
@@ -260,17 +244,14 @@ def packed_rates(alpha: float, draft_cost_ms: Costs, plain_ms: float, position_m
     f = min(max(float(fill), 0.0), 1.0)
     a = min(max(float(alpha), 0.0), 1.0)
     own = [min(max(float(r), 0.0), 1.0) for r in profile] if profile else []
-    power, gain, rates = 1.0, 0.0, []
+    tokens = profile_tokens(a, own, f, k_max) if expected is None else expected
+    rates = []
     for k in range(k_max + 1):
         cost = plain_ms
         if k > 0:
-            power *= own[k - 1] if k <= len(own) else a
-            gain += f * power
             cost += b * f * (position_ms * k + jump_ms) + max(int(draft_rows), 1) * draft[k]
-        tokens = 1.0 + gain if expected is None else expected[k]
-        rates.append(tokens / cost if cost > 0 else math.inf)
+        rates.append(tokens[k] / cost if cost > 0 else math.inf)
     return rates
-
 
 
 def profile_tokens(alpha: float, profile: Sequence[float], fill: float, k_max: int) -> list[float]:
@@ -282,6 +263,7 @@ def profile_tokens(alpha: float, profile: Sequence[float], fill: float, k_max: i
         power *= min(max(float(profile[k - 1] if k <= len(profile) else alpha), 0.0), 1.0)
         tokens.append(tokens[-1] + f * power)
     return tokens
+
 
 def best_reading(rates_by_reading: Sequence[Sequence[float]]) -> list[float]:
     """Each depth's rate under the reading of the costs that favours it most: where the passes
