@@ -56,8 +56,9 @@ def add_bench_load_flags(p: argparse.ArgumentParser) -> None:
                         "work; at concurrency >= 2 each cell runs in parts interleaved with the other "
                         "configurations' (`--cell-parts`) (default 0: windows)")
     p.add_argument("--cell-parts", type=int, default=2,
-                   help="fixed-work cells at concurrency >= 2 run in this many parts, each at least one request per "
-                        "client: 2 mirrored (A B C C B A); more, each round's order rotated by one (with as many "
+                   help="fixed-work cells at concurrency >= 2 run in this many parts (fewer where a part would hold "
+                        "fewer than three requests a client: a shorter window reads by where its edges fall), "
+                        "2 mirrored (A B C C B A); more, each round's order rotated by one (with as many "
                         "parts as configurations a Latin square: every configuration once in every slot, none twice "
                         "in a row), so that the machine's swings fall on the configurations alike (default 2)")
     p.add_argument("--c1-passes", type=int, default=1,
@@ -270,10 +271,22 @@ def cell_requests(requests: int, concurrency: int, highest: int) -> int:
     return max(concurrency, round(requests * concurrency / max(highest, 1)))
 
 
+MIN_PART_WAVES = 3
+
+
 def split_requests(requests: int, concurrency: int, parts: int = 2) -> list[int]:
-    """A fixed-work cell's requests in `parts` parts (fewer where a part would have fewer requests
-    than clients), each at least one per client, adding up to `requests` or more."""
-    n = max(1, min(parts, requests // max(concurrency, 1)))
+    """A fixed-work cell's requests in `parts` parts (fewer where a part would hold fewer than
+    `MIN_PART_WAVES` requests a client), each at least one per client, adding up to `requests` or
+    more.
+
+    Why whole waves: a part's window runs from one request's end to another's, and at each edge
+    the other c - 1 clients are somewhere inside a request, its prefill paid or not, its tokens
+    streamed or not. Over a window of few waves that edge is a large share of the work, and it
+    falls differently on sessions that run in step (one prompt length, shallow blocks) than on
+    sessions that finish apart. At 16 code edits, windows of 24 requests (1.5 waves, the halves of
+    `--cell-requests 48`) read fixed k = 4 at 0.84x k = 2 and auto at 0.94x, where windows of 144
+    on the same stack read 0.99x and 1.09x (docs/benchmarks.md, "Short windows at 16 sessions")."""
+    n = max(1, min(parts, requests // max(MIN_PART_WAVES * concurrency, 1)))
     sizes = [requests // n + (1 if i < requests % n else 0) for i in range(n)]
     return [max(concurrency, size) for size in sizes]
 
@@ -586,8 +599,7 @@ def render(report: dict) -> str:
                    "request per client) and the last end over that time" if s.get("held_lead_in")
                    else "tokens/s every token streamed until then over that time")
         higher = (f"held until {s['cell_requests']} requests have ended at the highest concurrency (in "
-                  f"proportion below, at least one per client), {counted}, run in "
-                  f"{s.get('cell_parts', 2)} parts interleaved with the other configurations'")
+                  f"proportion below, at least one per client), {counted}, " + parts_text(s.get("cell_parts", 2)))
     else:
         higher = (f"held at that concurrency, tokens/s over a window after the opening prefills "
                   f"({s.get('window_seconds', 0):g} s at the highest concurrency, in proportion below, at least "
@@ -648,6 +660,14 @@ def render(report: dict) -> str:
                      f"{r['itl_ms_p99']} ms, mean k {r['mean_k']}")
     lines.append(f"Errors: {report['errors']}")
     return "\n".join(lines) + "\n"
+
+
+def parts_text(parts: int) -> str:
+    """How a report's settings split a fixed-work cell (`split_requests`)."""
+    if parts <= 1:
+        return "in one part"
+    return (f"in up to {parts} parts interleaved with the other configurations' (fewer where a part would "
+            f"hold fewer than {MIN_PART_WAVES} requests a client)")
 
 
 def table_lines(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

@@ -116,8 +116,8 @@ def _slot_sums(runs) -> dict[str, int]:
 
 
 def test_fixed_work_cells_run_in_mirrored_halves_so_a_linear_drift_costs_every_configuration_alike() -> None:
-    assert split_requests(48, 16) == [24, 24]
-    assert split_requests(6, 2) == [3, 3]
+    assert split_requests(96, 16) == [48, 48]
+    assert split_requests(12, 2) == [6, 6]
     assert split_requests(17, 16) == [17]  # two halves would leave clients idle: one part
     order = [("off", "0"), ("k2", "2"), ("auto", "auto")]
     runs = interleaved(order, [24, 25])
@@ -126,10 +126,16 @@ def test_fixed_work_cells_run_in_mirrored_halves_so_a_linear_drift_costs_every_c
     assert len(set(_slot_sums(runs).values())) == 1, _slot_sums(runs)
 
 
+def test_a_part_holds_at_least_three_waves_of_requests_so_its_window_edges_stay_a_small_share() -> None:
+    assert split_requests(48, 16) == [48]  # two halves would each hold 1.5 waves: one part
+    assert split_requests(95, 16) == [95]
+    assert split_requests(144, 16, 4) == [48, 48, 48]  # as many parts as hold three waves each
+    assert sum(split_requests(150, 16, 4)) == 150
+    assert split_requests(6, 2) == [6]
+
+
 def test_more_parts_rotate_a_latin_square_where_no_configuration_runs_twice_in_a_row() -> None:
-    assert split_requests(64, 16, 4) == [16, 16, 16, 16]
-    assert split_requests(50, 16, 4) == [17, 17, 16]  # as many parts as keep every client busy
-    assert sum(split_requests(50, 16, 4)) == 50
+    assert split_requests(192, 16, 4) == [48, 48, 48, 48]
     order = [("off", "0"), ("k2", "2"), ("k4", "4"), ("auto", "auto")]
     runs = interleaved(order, [16, 16, 16, 16])
     names = [c[0] for c, _ in runs]
@@ -242,6 +248,10 @@ def test_a_report_says_which_held_window_its_cells_used_and_reports_of_both_do_n
     before, after = _report_of(10.0, 18.0, 9.0), _report_of(10.0, 18.0, 9.0)
     after["settings"]["held_lead_in"] = True
     assert "opening wave's last end" in render(merge_reports([after, after]))
+    text = render(merge_reports([after, after]))
+    assert "in up to 2 parts" in text and "fewer than 3 requests a client" in text
+    after["settings"]["cell_parts"] = 1
+    assert "in one part" in render(merge_reports([after, after]))
     assert "opening wave" not in render(merge_reports([before])) and "until then" in render(merge_reports([before]))
     with pytest.raises(ValueError, match="held windows"):
         merge_reports([after, before])
