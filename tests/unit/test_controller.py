@@ -1609,7 +1609,6 @@ def test_a_methods_mixture_prior_is_built_once_per_set_of_recent_sessions() -> N
     assert shared_after_sessions([0.9] * 3).mixture_prior(8) is None  # too few sessions to say
 
 
-
 def test_a_mixture_priors_quantile_tokens_are_one_recent_prompts_capped_where_asked() -> None:
     """`MixturePrior.quantile_tokens`: the expected tokens of the component at a quantile of the
     posterior (components in order of acceptance), with its rate capped per position where
@@ -1622,6 +1621,7 @@ def test_a_mixture_priors_quantile_tokens_are_one_recent_prompts_capped_where_as
     capped = prior.quantile_tokens(8, 8, 0.5, [1.0, 0.5, 1.0, 1.0], quantile=0.1)
     assert capped == pytest.approx([1.0, 1.45, 1.45 + 0.5 * 0.45, 1.45 + 0.5 * (0.45 + 0.405),
                                     1.45 + 0.5 * (0.45 + 0.405 + 0.3645)])
+
 
 def test_a_session_reuses_its_mixture_tokens_until_its_evidence_or_fill_changes() -> None:
     """A session at k = 0 asks for the same posterior step after step: it is kept, and it is

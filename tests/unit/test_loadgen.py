@@ -247,8 +247,8 @@ def test_a_report_says_which_held_window_its_cells_used_and_reports_of_both_do_n
     different windows; a report says which, and merging one of each is refused."""
     before, after = _report_of(10.0, 18.0, 9.0), _report_of(10.0, 18.0, 9.0)
     after["settings"]["held_lead_in"] = True
-    assert "opening wave's last end" in render(merge_reports([after, after]))
     text = render(merge_reports([after, after]))
+    assert "opening wave's last end" in text
     assert "in up to 2 parts" in text and "fewer than 3 requests a client" in text
     after["settings"]["cell_parts"] = 1
     assert "in one part" in render(merge_reports([after, after]))
