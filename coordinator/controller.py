@@ -264,6 +264,10 @@ class DepthController:
         # (an n-gram's lookup in the coordinator finds one): alone, a step at k > 0 then costs
         # nothing where the proposer has nothing to draft (`_rates`)
         self.match_gated = False
+        # whether the engine judges shadow drafts for this session (`observe(shadow=)`: the n-gram
+        # proposer, whose draft the coordinator can make itself); in a batch its shadows then stand
+        # in for echo probes (`_probe_due`)
+        self.shadowed = False
         self.peers = peers if mode == "auto" else None
         self._peer = self.peers.join(self.estimator.alpha, self.fill.mean) if self.peers is not None else 0
         self._anchored = 0  # the depth last told the peers (`_anchor`)
@@ -743,8 +747,14 @@ class DepthController:
         followed (completions at 16 sessions ran at 0.93x speculation off with 3 % of their steps
         probing, where the same cell with nothing before it ran at 0.98x). The prompts whose
         probes pay are the ones whose output copies its context, and their echoes say so for
-        free, two steps after the copy starts."""
-        if self._echo_streak >= self._echo_needed:
+        free, two steps after the copy starts.
+
+        In a batch, a session whose engine judges shadow drafts (`shadowed`: the n-gram method)
+        takes no echo probes either: its shadow is the block the probe would send, judged at no
+        cost, and a copy it finds turns the session on through its own evidence. At 16 chat
+        sessions the echo probes were every probe auto made (16 blocks of 2 in 64 requests, none
+        accepted), each a packed pass for all 16 rows and a draft session opened and closed."""
+        if self._echo_streak >= self._echo_needed and not (self.shadowed and self._batch(load) > 1):
             return "echo"
         if self.echoes and self._batch(load) > 1:  # echoes call the probes that pay here
             return "gated" if self._gated_due(load) else ""

@@ -242,7 +242,7 @@ class SpeculativeEngine:
         # and whether it would draft anything at all: a step whose lookup finds no match asks the
         # draft nothing (it would send an empty block back, a round trip for nothing)
         if controller is not None:
-            controller.match_gated = shadow is not None
+            controller.match_gated = controller.shadowed = shadow is not None
         step = 0
         try:
             first = target.prefill(gen.token_ids)

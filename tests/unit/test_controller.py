@@ -1457,6 +1457,39 @@ def test_an_echoing_session_probes_whatever_the_methods_last_prompts_filled() ->
     assert copier.choose(load) >= 1
 
 
+def test_in_a_batch_a_shadowed_session_lets_its_shadows_judge_its_echoes() -> None:
+    """For the n-gram method the engine judges shadow drafts (`shadowed`): the block an echo probe
+    would draft, judged for free. At 16 rows its echoes call no probe, which would lengthen a pass
+    every row pays for (chat at 16 sessions: 16 echo probes of 2 in 64 requests, none accepted);
+    alone, where a probe costs the session only, they still do."""
+    def echoing_session(shadowed: bool, rows: int) -> tuple[DepthController, LoadSignal]:
+        cm = packed_cost_model()
+        load = LoadSignal(0, rows)
+        shared = SharedAcceptance()
+        for _ in range(64):
+            shared.update_fill(0.2)
+        peers = PassPeers()
+        sessions = [DepthController(K_MAX, cm, estimator=AcceptanceEstimator(alpha0=0.55, prior_weight=1000.0),
+                                    shared=shared, peers=peers) for _ in range(rows)]
+        session = sessions[0]
+        session.echoes = True
+        session.shadowed = shadowed
+        for _ in range(12):
+            k = session.choose(load)
+            session.observe(k, 0, 0.5, 0.0, rows, pass_positions=rows + k, packed=True, compute_ms=130.0 + 5.0 * k)
+        for _ in range(ECHO_STREAK):
+            session.observe(0, 0, 0.0, 0.0, rows, pass_positions=rows, packed=True, compute_ms=130.0, echo=True)
+        return session, load
+
+    shadowed, load = echoing_session(shadowed=True, rows=16)
+    assert shadowed.k == 0 and shadowed._probe_due(False, load) != "echo"
+    assert shadowed.choose(load) == 0
+    unshadowed, load = echoing_session(shadowed=False, rows=16)
+    assert unshadowed.k == 0 and unshadowed.choose(load) >= 1
+    alone, load = echoing_session(shadowed=True, rows=1)
+    assert alone._probe_due(False, load) == "echo"
+
+
 def test_an_echoing_session_probes_though_no_peer_has_drafted_yet() -> None:
     """A burst of sixteen new sessions, none drafted yet, at the method's modest 0.42, and a jump
     to a packed pass of 60 ms (fitted on passes where every row brought a block). The peers are
