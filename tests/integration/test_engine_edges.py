@@ -394,7 +394,7 @@ def test_an_auto_n_gram_session_asks_the_draft_only_where_its_context_holds_a_ma
     gen = engine.generate(prompt, SamplingParams(max_tokens=40)).run()
     out = gen.token_ids
     assert out == reference(tiny, prompt, 40)
-    assert controller.match_gated
+    assert controller.match_gated and controller.shadowed  # its shadows stand in for echo probes in a batch
     # replay: a block of 2 where the n-gram finds one, none elsewhere
     expected = [drafted for drafted, _ in replay_fixed_k(prompt, out, 2)]
     assert gen.stats.k_per_step == expected
