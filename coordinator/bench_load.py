@@ -244,15 +244,38 @@ def _hf_pass(hf, prompts: Sequence, encoded: dict[str, list[int]]) -> tuple[int,
     return tokens, time.perf_counter() - start
 
 
+def williams_row(n: int, run: int) -> list[int]:
+    """Row `run` of a Williams design for n treatments: a Latin square (every treatment once in
+    every slot) in which every treatment runs right after every other equally often, so that
+    over a whole square (n rows for even n, 2n for odd: the n rows and their mirror images) every
+    treatment also runs before every other in half the rows. Row r is the first row
+    0, 1, n-1, 2, n-2, ... shifted by r; for odd n, rows n..2n-1 are rows 0..n-1 reversed."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    r = run % (n if n % 2 == 0 else 2 * n)
+    row = [(x + r % n) % n for x in first]
+    return row if r < n else row[::-1]
+
+
 def cell_order(configs: list[tuple[str, str]], run: int) -> list[tuple[str, str]]:
-    """The order of a level's cells in run `run`: rotated by two places per run, reversed in odd
-    runs, so that no configuration always runs right after the same one. Cells are not
-    independent: held cells of one configuration read 68-83 tok/s in one sequence on this
-    machine, drifting down over minutes, and in the fixed order auto always ran right after k = 8,
-    the slowest cell at 16 sessions."""
-    shift = (2 * run) % len(configs)
-    order = configs[shift:] + configs[:shift]
-    return order[::-1] if run % 2 else order
+    """The order of a level's cells in run `run`: row `run` of a Williams design
+    (`williams_row`), so that over as many runs as configurations (twice as many for an odd
+    number) each runs once in every slot, right after each other one equally often, and before
+    each other one in half the runs.
+
+    Cells are not independent: held cells of one configuration read 68-83 tok/s in one sequence
+    on this machine, and the first cell of a level read fastest. The rotation used until
+    2026-12-08 (two places a run, odd runs reversed) ran speculation off before auto in every run
+    with the four configurations of `--fixed-k 2,4`, and first in every other one: at 16 code
+    sessions auto then read 0.87-0.97x off when it ran last, 0.91-1.01x when it ran right after
+    off (docs/benchmarks.md, "A fair order of cells")."""
+    return [configs[i] for i in williams_row(len(configs), run)]
 
 
 def cell_window(seconds: float, concurrency: int, highest: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 
@@ -163,13 +164,37 @@ def test_a_cut_request_counts_its_streamed_steps_and_k_over_time_uses_chunk_time
     assert k_over_time([done, cut], bin_s=2.0) == [(0.0, 3.0, 2), (2.0, 4.0, 1), (4.0, 0.0, 1)]
 
 
-def test_cell_order_moves_every_configuration_to_new_neighbours() -> None:
+def test_cell_order_starts_a_square_from_the_first_row() -> None:
     configs = [(n, n) for n in ("off", "k2", "k4", "k8", "auto")]
-    orders = [[n for n, _ in cell_order(configs, run)] for run in range(3)]
-    assert all(sorted(o) == sorted(n for n, _ in configs) for o in orders)
-    assert orders[0] == ["off", "k2", "k4", "k8", "auto"]
-    after = [o[o.index("auto") - 1] if o.index("auto") else None for o in orders]
-    assert len(set(after)) == 3, after  # auto follows a different cell in each of three runs
+    orders = [[n for n, _ in cell_order(configs, run)] for run in range(10)]
+    assert orders[0] == ["off", "k2", "auto", "k4", "k8"]  # 0, 1, n-1, 2, n-2
+    assert orders[5] == orders[0][::-1]  # an odd square's second half mirrors its first
+    assert sorted(o[0] for o in orders) == sorted(2 * [n for n, _ in configs])
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_cell_order_over_a_square_balances_slots_neighbours_and_precedence(n: int) -> None:
+    """Over a whole Williams square every configuration runs once in each slot (per copy of the
+    square), right after each other one equally often, and before each other one in half the
+    runs: the old rotation ran off before auto in every run with four configurations."""
+    configs = [(str(i), str(i)) for i in range(n)]
+    rows = n if n % 2 == 0 else 2 * n
+    orders = [[int(name) for name, _ in cell_order(configs, run)] for run in range(rows)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    for slot in range(n):
+        assert Counter(o[slot] for o in orders) == {i: rows // n for i in range(n)}
+    neighbours = Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    assert len(neighbours) == n * (n - 1) and len(set(neighbours.values())) == 1
+    before = Counter((a, b) for o in orders for i, a in enumerate(o) for b in o[i + 1:])
+    assert set(before.values()) == {rows // 2}
+    assert cell_order(configs, rows) == cell_order(configs, 0)  # the square repeats
+
+
+def test_cell_order_runs_auto_before_off_in_half_the_runs_with_two_fixed_depths() -> None:
+    configs = [(n, n) for n in ("off", "k2", "k4", "auto")]
+    orders = [[n for n, _ in cell_order(configs, run)] for run in range(4)]
+    assert sum(o.index("auto") < o.index("off") for o in orders) == 2
+    assert sorted(o[0] for o in orders) == sorted(n for n, _ in configs)
 
 
 def test_a_cells_parts_add_their_windows_tokens_and_times() -> None:
