@@ -270,11 +270,10 @@ def cell_order(configs: list[tuple[str, str]], run: int) -> list[tuple[str, str]
     each other one in half the runs.
 
     Cells are not independent: held cells of one configuration read 68-83 tok/s in one sequence
-    on this machine, and the first cell of a level read fastest. The rotation used until
-    2026-12-08 (two places a run, odd runs reversed) ran speculation off before auto in every run
-    with the four configurations of `--fixed-k 2,4`, and first in every other one: at 16 code
-    sessions auto then read 0.87-0.97x off when it ran last, 0.91-1.01x when it ran right after
-    off (docs/benchmarks.md, "A fair order of cells")."""
+    on this machine. The rotation used until 2026-12-07 (two places a run, odd runs reversed) ran
+    speculation off before auto in every run with the four configurations of `--fixed-k 2,4`.
+    Four runs in this order at 16 sessions put the slots within 0.6 % of each other, so that
+    order was not what held auto below off there (docs/benchmarks.md, "A fair order of cells")."""
     return [configs[i] for i in williams_row(len(configs), run)]
 
 
