@@ -396,7 +396,7 @@ def wait_idle(target_stub, timeout_s: float = 10.0) -> None:
     """Until the target has no open session (cancelled streams end a step later), at most `timeout_s`."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
-        if target_stub.GetStats(target_pb2.GetStatsRequest(), timeout=5).open_sessions == 0:
+        if target_stub.GetStats(target_pb2.GetStatsRequest(load_only=True), timeout=5).open_sessions == 0:
             return
         time.sleep(0.05)
 

@@ -163,8 +163,15 @@ class LoadMonitor:
         from specdec.v1 import target_pb2  # generated code: imported late so the module imports without it
 
         for address, stub in list(self._replicas()):
+            with self._lock:
+                seeded = address in self._seeded
             try:
-                stats = stub.GetStats(target_pb2.GetStatsRequest(), timeout=self.timeout_s)
+                # The latency table only until it has seeded the replica's cost model: it grows
+                # with every pass shape the replica has run, without bound, and it is built under
+                # the target's interpreter lock, which its passes' thread needs between ops (on
+                # the 2-core machines 1000 rows took 1.4 ms to build, 3000 4.3 ms; four polls a
+                # second).
+                stats = stub.GetStats(target_pb2.GetStatsRequest(load_only=seeded), timeout=self.timeout_s)
             except grpc.RpcError as exc:  # a replica that does not answer keeps its last signal
                 log.debug("GetStats failed for %s: %s", address, exc.code())
                 continue

@@ -93,6 +93,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
         with stats.lock:
             msg.prefills, msg.prefill_ms = stats.prefills, stats.prefill_ms
+            if request.load_only:  # the tables are built under the interpreter lock the passes' thread needs
+                return msg
             for size, count in sorted(stats.batch_sizes.items()):
                 msg.batch_sizes.add(batch_size=size, count=count)
             for (size, block, positions), (count, total) in sorted(stats.latency.items()):

@@ -172,3 +172,43 @@ def test_stats_count_the_prefills_and_their_time_apart_from_the_verify_passes(ti
                 s.close()
     finally:
         handle.drain(0.5)
+
+
+def test_load_only_stats_leave_out_the_tables_and_the_monitor_asks_for_them_once(tiny):
+    """GetStats(load_only) answers the load fields without the batch-size and latency tables, and
+    the LoadMonitor asks for the tables only until they have seeded the replica's cost model."""
+    from coordinator.depth import CostModels, LoadMonitor
+
+    servicer, handle = serve(tiny)
+    address = f"127.0.0.1:{handle.port}"
+    try:
+        with make_channel(address) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            session = Session(stub)
+            session.open()
+            assert session.send(verify=target_pb2.VerifyBlock(draft_token_ids=[4, 5])).HasField("verified")
+            full = stats(stub)
+            light = stub.GetStats(target_pb2.GetStatsRequest(load_only=True), timeout=5)
+            assert full.verify_latency and full.batch_sizes
+            assert not light.verify_latency and not light.batch_sizes
+            assert (light.open_sessions, light.forward_passes, light.prefills) == \
+                (full.open_sessions, full.forward_passes, full.prefills) == (1, 2, 1)  # a prefill and a verify
+
+            asked: list[bool] = []
+
+            class Recording:
+                def GetStats(self, request, timeout=None):
+                    asked.append(request.load_only)
+                    return stub.GetStats(request, timeout=timeout)
+
+            costs = CostModels()
+            monitor = LoadMonitor(lambda: [(address, Recording())], costs)
+            for _ in range(3):
+                monitor.poll_once()
+            assert asked == [False, True, True]
+            assert costs.get(address).verify_table()  # seeded from the first, full answer
+            signal = monitor.load(address)
+            assert signal is not None and signal.open_sessions == 1
+            session.close()
+    finally:
+        handle.drain(0.5)
