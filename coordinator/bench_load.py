@@ -272,7 +272,7 @@ def cell_order(configs: list[tuple[str, str]], run: int) -> list[tuple[str, str]
     Cells are not independent: held cells of one configuration read 68-83 tok/s in one sequence
     on this machine. The rotation used until 2026-12-07 (two places a run, odd runs reversed) ran
     speculation off before auto in every run with the four configurations of `--fixed-k 2,4`.
-    Four runs in this order at 16 sessions put the slots within 0.6 % of each other, so that
+    Four runs in this order at 16 sessions put the slots within 0.4 % of each other, so that
     order was not what held auto below off there (docs/benchmarks.md, "A fair order of cells")."""
     return [configs[i] for i in williams_row(len(configs), run)]
 
