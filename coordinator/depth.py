@@ -177,9 +177,8 @@ class LoadMonitor:
                 continue
             with self._lock:
                 self._signals[address] = LoadSignal(int(stats.queue_depth), int(stats.open_sessions))
-                first = address not in self._seeded
                 self._seeded.add(address)
-            if first and stats.verify_latency:
+            if not seeded and stats.verify_latency:
                 self.costs.get(address).seed_from_stats(stats.verify_latency)
 
     def _run(self) -> None:
