@@ -9,10 +9,9 @@
                 path costs nothing)
             verify them in one target pass -> accepted draft tokens + 1 target token
             tell the draft what was appended; check stop conditions; emit the new tokens
-            (with a session that sends and reads a verify in two calls, the remote one, and
-            a pass shared with more than STREAM_FIRST_MAX_BATCH sessions, a step's tokens are
-            emitted once the next step's block is sent: the client's share of the step overlaps
-            the target's pass; in a smaller batch they are emitted first, `streams_first`)
+            (with a session that sends and reads a verify in two calls, the remote one, a
+            step's tokens are emitted once the next step's block is sent: the client's share
+            of the step overlaps the target's pass)
 
 Pipelined drafting (`pipeline=True`): while the target verifies block n, the draft drafts block
 n+1 as if block n were accepted whole (`propose_ahead`): its first token is a guess of the
@@ -51,27 +50,6 @@ from specd.sampling import SamplingParams
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
-
-# The largest pass in which a session streams its last step's tokens before it sends its next
-# block (`streams_first`).
-STREAM_FIRST_MAX_BATCH = 4
-
-
-def streams_first(overlaps: bool, last_batch_size: int) -> bool:
-    """Whether a step streams the last step's tokens before it sends its block to the target,
-    rather than while the target verifies it.
-
-    A session that verifies in one call (in process) has no choice. A remote one overlaps the
-    two only in a batch of more than STREAM_FIRST_MAX_BATCH sessions: there each session's
-    streaming, serialized by the coordinator's interpreter lock, would hold its next block back
-    from a pass that waits for every session. In a smaller batch the pass waits for few, and on
-    a machine with as many cores as the target's OpenMP team the streaming's thread wake-ups in
-    the coordinator and the client preempt the pass's threads, and the team waits for the
-    preempted one at every barrier. One code-edit session with speculation off on the 2-core
-    machine ran 1.11x faster streaming first (inter-token p50 40 ms against 45); four sessions
-    1.01x; sixteen 0.99x (docs/benchmarks.md, "Streaming before the next block when few
-    sessions share a pass")."""
-    return not overlaps or last_batch_size <= STREAM_FIRST_MAX_BATCH
 
 
 @dataclass
@@ -275,8 +253,7 @@ class SpeculativeEngine:
             gen.token_ids.extend(out)
             echo = EchoLookup(context()) if echoing else None
             yield out
-            held: list[int] | None = None  # the last step's tokens, streamed before or after the next step is sent
-            last_batch_size = 1  # the rows of the last pass (`streams_first`)
+            held: list[int] | None = None  # the last step's tokens, streamed once the next step is sent
             while gen.finish_reason is None:
                 step += 1
                 if target.session.room <= 0:
@@ -309,8 +286,8 @@ class SpeculativeEngine:
                 ahead = None
                 if self.pipeline and draft is not None and proposal.tokens and wanted > 0:
                     ahead = draft.start_ahead(list(proposal.tokens), wanted + 1, step)
-                if held is not None and streams_first(target.overlaps, last_batch_size):
-                    yield held
+                if held is not None and not target.overlaps:
+                    yield held  # an in-process verify runs in the call: stream first
                     held = None
                 t = time.perf_counter()
                 pending = target.start_verify(proposal, gen.token_ids)
@@ -336,7 +313,6 @@ class SpeculativeEngine:
                         shadow.start(shadow_draft, covered=len(proposal.tokens))
                 outcome = pending.result()
                 verify_s = time.perf_counter() - t
-                last_batch_size = getattr(outcome, "batch_size", 1)
                 _pass_features(target, draft, step)
                 if ahead is not None:
                     t = time.perf_counter()

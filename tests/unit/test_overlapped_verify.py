@@ -1,10 +1,8 @@
-"""In a batch, the engine sends the next verify step before it streams the last step's tokens
-(coordinator/engine.py, `streams_first`).
+"""The engine sends the next verify step before it streams the last step's tokens (coordinator/engine.py).
 
 With a session that sends a step and reads its reply in two calls (the gRPC transport's
-`start_verify`) whose passes hold more than STREAM_FIRST_MAX_BATCH sessions, the client's share
-of a step (streaming, decoding) runs while the target verifies; in a smaller pass it runs
-first. These tests pin the order with a fake two-call session, and check that the output, a
+`start_verify`), the client's share of a step (streaming, decoding) runs while the target
+verifies. These tests pin the order with a fake two-call session, and check that the output, a
 failover between the two calls and a client gone with a step in flight behave as with a
 one-call session. No model and no network.
 """
@@ -14,9 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from dataclasses import dataclass
-
-from coordinator.engine import STREAM_FIRST_MAX_BATCH, SpeculativeEngine, streams_first
+from coordinator.engine import SpeculativeEngine
 from coordinator.failover import FailoverOutcome, TargetLink
 from draft_service.proposers import make_proposer
 from draft_service.proposers.base import Proposal
@@ -63,13 +59,6 @@ class CountingSession:
         self.events.append("close")
 
 
-@dataclass
-class BatchedOutcome(VerifyOutcome):
-    """An outcome that says how many sessions its pass held, as the gRPC session's does."""
-
-    batch_size: int = 1
-
-
 class _Pending:
     def __init__(self, session: "TwoCallSession", proposal: Proposal):
         self.session, self.proposal = session, proposal
@@ -79,15 +68,11 @@ class _Pending:
         if self.session.fail_next:
             self.session.fail_next = False
             raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
-        outcome = CountingSession.verify(self.session, self.proposal)
-        return BatchedOutcome(outcome.num_accepted, outcome.tokens, batch_size=self.session.batch_size)
+        return CountingSession.verify(self.session, self.proposal)
 
 
 class TwoCallSession(CountingSession):
-    """The same target, sent and read in two calls, as the gRPC session is, its passes shared by
-    `batch_size` sessions."""
-
-    batch_size = STREAM_FIRST_MAX_BATCH + 1
+    """The same target, sent and read in two calls, as the gRPC session is."""
 
     def __init__(self, prompt: list[int], events: list[str]):
         super().__init__(prompt, events)
@@ -96,12 +81,6 @@ class TwoCallSession(CountingSession):
     def start_verify(self, proposal: Proposal) -> _Pending:
         self.events.append("send")
         return _Pending(self, proposal)
-
-
-class LoneTwoCallSession(TwoCallSession):
-    """A two-call session alone in its passes."""
-
-    batch_size = 1
 
 
 class Verifier:
@@ -139,28 +118,14 @@ def expected(n: int) -> list[int]:
 def test_the_output_is_the_same_with_one_call_and_two_call_sessions(k):
     one, _, _ = generate(CountingSession, k)
     two, _, _ = generate(TwoCallSession, k)
-    alone, _, _ = generate(LoneTwoCallSession, k)
-    assert one == two == alone == expected(12)
+    assert one == two == expected(12)
 
 
-def test_a_two_call_session_in_a_batch_streams_each_step_after_sending_the_next():
+def test_a_two_call_session_streams_each_step_after_sending_the_next():
     _, events, _ = generate(TwoCallSession, k=0, max_tokens=4)
     # prefill's token at once; then each step's token once the next step is sent; the last at the end
     assert events == ["chunk 1", "send", "result", "send", "chunk 1", "result", "send", "chunk 1", "result",
                       "chunk 1", "close"]
-
-
-def test_a_two_call_session_alone_in_its_passes_streams_each_step_before_sending_the_next():
-    _, events, _ = generate(LoneTwoCallSession, k=0, max_tokens=4)
-    assert events == ["chunk 1", "send", "result", "chunk 1", "send", "result", "chunk 1", "send", "result",
-                      "chunk 1", "close"]
-
-
-def test_streaming_first_is_for_one_call_sessions_and_small_batches():
-    assert streams_first(overlaps=False, last_batch_size=16)
-    assert streams_first(overlaps=True, last_batch_size=1)
-    assert streams_first(overlaps=True, last_batch_size=STREAM_FIRST_MAX_BATCH)
-    assert not streams_first(overlaps=True, last_batch_size=STREAM_FIRST_MAX_BATCH + 1)
 
 
 def test_a_one_call_session_streams_each_step_before_the_next():
