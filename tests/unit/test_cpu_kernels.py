@@ -97,6 +97,14 @@ def test_runs_onednn_reads_the_output_embeddings():
     assert not cpu_kernels.runs_onednn(nn.Linear(2, 2))  # no output embeddings at all
 
 
+def pass_cost(costs: dict[str, tuple[float, float]]):
+    """A fake one-token pass timer: each named layer costs (on torch's kernel, on oneDNN's)."""
+    def seconds(model: nn.Module) -> float:
+        return sum(on_torch if getattr(model, name).single_row_on_torch else on_onednn
+                   for name, (on_torch, on_onednn) in costs.items())
+    return seconds
+
+
 def test_tuning_puts_one_row_products_on_the_faster_kernel_and_leaves_wider_ones_on_onednn(monkeypatch):
     model = TiedLM()
     use_linear_kernel(model, "onednn")
@@ -104,8 +112,8 @@ def test_tuning_puts_one_row_products_on_the_faster_kernel_and_leaves_wider_ones
     calls = []
     real = cpu_kernels._onednn_linear
     monkeypatch.setattr(cpu_kernels, "_onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    monkeypatch.setattr(cpu_kernels, "torch_is_faster", lambda torch_s, onednn_s: True)
-    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1) == 3
+    torch_wins = pass_cost({"up": (1.0, 2.0), "down": (1.0, 2.0), "head": (1.0, 2.0)})
+    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1, pass_rounds=2, pass_seconds=torch_wins) == 3
     ids = torch.randint(0, 300, (1, 5))
     calls.clear()
     with torch.inference_mode():
@@ -113,17 +121,48 @@ def test_tuning_puts_one_row_products_on_the_faster_kernel_and_leaves_wider_ones
         assert not calls
         torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-5)
     assert len(calls) == 3  # five rows: every layer on oneDNN
-    monkeypatch.setattr(cpu_kernels, "torch_is_faster", lambda torch_s, onednn_s: False)
-    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1) == 0
+    onednn_wins = pass_cost({"up": (2.0, 1.0), "down": (2.0, 1.0), "head": (2.0, 1.0)})
+    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1, pass_rounds=2, pass_seconds=onednn_wins) == 0
     calls.clear()
     with torch.inference_mode():
         model(ids[:, :1])
     assert len(calls) == 3
 
 
-def test_the_faster_kernel_is_the_one_with_the_lower_sum_of_round_medians():
-    assert cpu_kernels.torch_is_faster([1.0, 1.2, 0.9], [1.1, 1.1, 1.1])
-    assert not cpu_kernels.torch_is_faster([1.0, 2.0, 0.9], [1.1, 1.1, 1.1])  # one slow round counts
+def test_whole_passes_overrule_the_products_timed_shape_by_shape(monkeypatch):
+    model = TiedLM()
+    use_linear_kernel(model, "onednn")
+    monkeypatch.setattr(cpu_kernels, "torch_is_faster", lambda torch_s, onednn_s: True)
+    onednn_wins = pass_cost({"up": (2.0, 1.0), "down": (2.0, 1.0), "head": (2.0, 1.0)})
+    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1, pass_rounds=2, pass_seconds=onednn_wins) == 0
+
+
+def test_a_mixed_choice_shape_by_shape_stands_when_its_passes_are_the_fastest(monkeypatch):
+    model = TiedLM()
+    use_linear_kernel(model, "onednn")
+    shape_choices = iter([True, False, False])  # up, down, head: one-row on torch for `up` alone
+    monkeypatch.setattr(cpu_kernels, "torch_is_faster", lambda torch_s, onednn_s: next(shape_choices))
+    mixed_wins = pass_cost({"up": (1.0, 2.0), "down": (2.0, 1.0), "head": (2.0, 1.0)})
+    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1, pass_rounds=2, pass_seconds=mixed_wins) == 1
+    assert model.up.single_row_on_torch and not model.down.single_row_on_torch and not model.head.single_row_on_torch
+
+
+def test_the_fastest_assignment_is_the_one_with_the_best_pass_each_timed_once_a_round_in_rotation():
+    order: list[int] = []
+    times = {0: iter([5.0, 1.0, 5.0]), 1: iter([2.0, 2.0, 2.0]), 2: iter([3.0, 3.0, 3.0])}
+
+    def seconds(i: int) -> float:
+        order.append(i)
+        return next(times[i])
+
+    chosen, best = cpu_kernels.fastest_assignment(seconds, 3, rounds=3)
+    assert (chosen, best) == (0, [1.0, 2.0, 3.0])  # a busy spell only adds time: the best pass counts
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+
+
+def test_the_faster_kernel_is_the_one_with_the_better_best_round():
+    assert cpu_kernels.torch_is_faster([1.0, 2.0, 0.9], [1.1, 1.1, 1.1])  # a slow round does not count
+    assert not cpu_kernels.torch_is_faster([1.2, 1.3], [1.1, 1.5])
 
 
 def test_tuning_a_model_without_onednn_layers_changes_nothing():
