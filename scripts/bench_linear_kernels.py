@@ -1,8 +1,8 @@
 """Forward-pass time of the bundled target with torch's and oneDNN's linear kernels, in one process.
 
-oneDNN runs twice: on its packed weights for every product, and tuned (`tune_single_row`: a
-product of one row on whichever kernel was faster for its weight shape here, what the target
-runs). The dense-weight oneDNN figures of docs/benchmarks.md, "Packed oneDNN weights", came from
+oneDNN runs twice: on its packed weights for every product, and tuned (`tune_few_rows`:
+products of as few rows as torch's kernel ran faster in whole passes here on torch's, what the
+target runs). The dense-weight oneDNN figures of docs/benchmarks.md, "Packed oneDNN weights", came from
 an earlier form of this script.
 
     python scripts/bench_linear_kernels.py [--reps 3] [--iters 9] [--cached 400]
@@ -23,7 +23,7 @@ from specd.openmp import apply_openmp_defaults
 
 apply_openmp_defaults()  # before torch loads, as the services do
 
-from specd.cpu_kernels import tune_single_row, use_linear_kernel  # noqa: E402
+from specd.cpu_kernels import tune_few_rows, use_linear_kernel  # noqa: E402
 from specd.models import load_model  # noqa: E402
 from target_service.batch_forward import BatchedForward, RowInput  # noqa: E402
 
@@ -57,7 +57,7 @@ def main() -> None:
         for kernel in kernels if rep % 2 == 0 else kernels[::-1]:
             use_linear_kernel(target.model, kernel.removesuffix("-tuned"))
             if kernel == "onednn-tuned":
-                print(f"tuned: {tune_single_row(target.model)} layers multiply one row on torch's kernel", flush=True)
+                print(f"tuned: products of up to {tune_few_rows(target.model)} rows on torch's kernel", flush=True)
             for batch, n_new in SHAPES:
                 rows = [RowInput(slot, args.cached, [5] * n_new) for slot in range(batch)]
                 forward.run(rows)  # warm the kernel's shape
@@ -65,7 +65,7 @@ def main() -> None:
             print(f"rep {rep + 1}/{args.reps}: {kernel} done", flush=True)
     print(f"\npass time, ms (median of {args.reps} repetitions of the median of {args.iters} passes), "
           f"{args.cached} cached tokens per session")
-    print("| sessions x new tokens | torch (MKL) | oneDNN, packed | oneDNN, one row tuned | tuned / packed | tuned / torch |")
+    print("| sessions x new tokens | torch (MKL) | oneDNN, packed | oneDNN, few rows tuned | tuned / packed | tuned / torch |")
     print("|---|---|---|---|---|---|")
     for shape in SHAPES:
         aten, packed, tuned = (statistics.median(results[k][shape]) for k in kernels)

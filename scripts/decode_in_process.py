@@ -24,7 +24,7 @@ apply_openmp_defaults()  # libgomp reads these when torch loads it, as in the se
 import torch  # noqa: E402
 
 from draft_service.proposers.base import Proposal  # noqa: E402
-from specd.cpu_kernels import tune_single_row, use_linear_kernel  # noqa: E402
+from specd.cpu_kernels import tune_few_rows, use_linear_kernel  # noqa: E402
 from specd.models import load_model  # noqa: E402
 from specd.openmp import serial_until_model_thread  # noqa: E402
 from specd.sampling import SamplingParams  # noqa: E402
@@ -86,7 +86,7 @@ def main() -> None:
                 results["forward"].append(forward_s)
             print(f"transformers round {rep}/{args.reps}", flush=True)
         use_linear_kernel(loaded.model, "onednn")  # then the target as the service runs it
-        tune_single_row(loaded.model)
+        tune_few_rows(loaded.model)
         target = TargetModel(loaded)
         for rep in range(args.reps + 1):
             target_s = target_step_s(target, ids, args.tokens)

@@ -10,8 +10,8 @@ takes 5.4 ms and 7.8 ms there. On the whole model, one forward pass at 400 cache
 process (docs/benchmarks.md, "oneDNN linear layers"): 1 token 66.3 -> 49.6 ms, 5 tokens 101.5 ->
 65.7 ms, 9 tokens 117.4 -> 73.6 ms, 4 sessions x 1 token 119.0 -> 74.2 ms. With the weights
 packed once into oneDNN's layout (`pack_weight`) instead of reordered on every call, a further
-0.59-0.81x ("Packed oneDNN weights" there). Not on every CPU: where torch's kernel multiplies one
-row faster, the target runs one-row products on it (`tune_single_row`, timed at start).
+0.59-0.81x ("Packed oneDNN weights" there). Not on every CPU: where torch's kernel multiplies a
+few rows faster, the target runs products of that few on it (`tune_few_rows`, timed at start).
 
 The two kernels sum in different orders, so logits differ in the last bits (about 1e-4 on
 logits of magnitude 10-30), as MKL's own one-row and five-row products already do. Greedy output
@@ -23,9 +23,8 @@ generation.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -63,10 +62,10 @@ class OneDnnLinear(nn.Linear):
     once, so weights changed later are not seen (load, then swap)."""
 
     packed_weight: torch.Tensor | None = None
-    single_row_on_torch = False  # a product of one token row runs on torch's kernel (`tune_single_row`)
+    torch_rows = 0  # products of at most this many token rows run on torch's kernel (`tune_few_rows`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.single_row_on_torch and x.numel() == x.shape[-1]:
+        if x.numel() <= self.torch_rows * x.shape[-1]:
             return nn.functional.linear(x, self.weight, self.bias)
         return _onednn_linear(x, self.weight if self.packed_weight is None else self.packed_weight, self.bias)
 
@@ -103,6 +102,8 @@ def use_linear_kernel(model: nn.Module, kernel: str) -> int:
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel {kernel!r} is not one of {', '.join(LINEAR_KERNELS)}")
     linears = [m for m in model.modules() if type(m) in (nn.Linear, OneDnnLinear)]
+    for module in linears:  # a tuning before (`tune_few_rows`) is void
+        module.__dict__.pop("torch_rows", None)
     if kernel == "aten":
         for module in linears:
             module.__dict__.pop("packed_weight", None)
@@ -117,29 +118,16 @@ def use_linear_kernel(model: nn.Module, kernel: str) -> int:
     return len(cpu_float32)
 
 
-def _kernel_seconds(call: Callable[[], object], iters: int) -> float:
-    """The median time of `call`, over `iters` calls."""
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def torch_is_faster(torch_s: list[float], onednn_s: list[float]) -> bool:
-    """Whether torch's kernel won: its best round (each round a median) beat oneDNN's. Rounds
-    alternate the kernels, so that both see the same machine state; the best round, because
-    other work on the machine only ever adds time (a target starts beside the services of its
-    stack, which import torch and load their models then): with the sum of the rounds'
-    medians a busy spell flipped decisions of 40 against 58 us."""
-    return min(torch_s) < min(onednn_s)
+# The widest product `tune_few_rows` times on both kernels.
+MAX_TUNED_ROWS = 8
 
 
 def fastest_assignment(pass_seconds: Callable[[int], float], candidates: int, rounds: int) -> tuple[int, list[float]]:
     """The candidate (0..candidates-1) whose best pass was the fastest, and each one's best.
     `pass_seconds(i)` times one pass with candidate i in place; each round times every candidate
-    once, the order rotated by one a round."""
+    once, the order rotated by one a round. The best pass, because other work on the machine only
+    ever adds time: a target is tuned as it starts, beside the services of its stack importing
+    torch and loading their models."""
     best = [float("inf")] * candidates
     for r in range(rounds):
         for j in range(candidates):
@@ -148,60 +136,65 @@ def fastest_assignment(pass_seconds: Callable[[int], float], candidates: int, ro
     return min(range(candidates), key=best.__getitem__), best
 
 
-def _one_token_pass_seconds(model: nn.Module) -> float:
-    ids = torch.zeros((1, 1), dtype=torch.long)
+def torch_rows_from(torch_won: Sequence[bool]) -> int:
+    """The most rows r such that torch's kernel won the passes of every row count from 1 to r
+    (`torch_won[i]`: at i + 1 rows)."""
+    rows = 0
+    for won in torch_won:
+        if not won:
+            break
+        rows += 1
+    return rows
+
+
+def _pass_seconds(model: nn.Module, rows: int) -> float:
+    ids = torch.zeros((1, rows), dtype=torch.long)
     start = time.perf_counter()
     model(ids)
     return time.perf_counter() - start
 
 
-def tune_single_row(model: nn.Module, rounds: int = 3, iters: int = 7, pass_rounds: int = 5,
-                    pass_seconds: Callable[[nn.Module], float] = _one_token_pass_seconds) -> int:
-    """Times a product of one token row on torch's kernel and on oneDNN's packed one, once per
-    weight shape of `model`'s oneDNN layers, then whole one-token passes of `model` with one-row
-    products as those timings chose, all on torch's kernel, and all on oneDNN's, and runs one-row
-    products as the fastest pass did (wider products stay on oneDNN). Returns how many layers now
-    run one row on torch's kernel.
+def tune_few_rows(model: nn.Module, max_rows: int = MAX_TUNED_ROWS, rounds: int = 5,
+                  pass_seconds: Callable[[nn.Module, int], float] = _pass_seconds) -> int:
+    """Times whole passes of `model` over 1, 2, ... token rows with its oneDNN layers' products
+    on torch's kernel and on oneDNN's, and runs products of as many rows as torch's kernel won
+    at every count up to on torch's kernel (wider ones stay on oneDNN). Stops at the first count
+    oneDNN wins, or at `max_rows`. Returns that row count (0: oneDNN throughout).
 
-    Which wins depends on the machine: on the 2-core machines this was first measured on, oneDNN
-    took a forward pass of one token from 66.3 to 49.6 ms; on a later one (Sapphire Rapids, AMX),
-    torch's one-core product of one row ran the whole pass in 31.3 ms against oneDNN's 38.3, while
-    oneDNN still won every wider shape (a block of 2: 42.0 against 48.9 ms; docs/benchmarks.md,
-    "One-row products on the faster kernel"). One row is plain decoding: a session at k = 0, the
-    off path. The product of one shape, timed alone, keeps its weights in cache; a pass streams
-    them all. The passes decide: two targets started alike on one machine had chosen differently
-    shape by shape (150 and 211 layers on torch's kernel), and the first decoded 10 % slower
-    (docs/benchmarks.md, "Two stacks that differed by their start-up timings"). Call it on the thread that runs the
-    model, with its torch threads set: MKL's one-row product and oneDNN's differ in how many
-    threads they use."""
+    Which wins depends on the machine. On the 2-core machines this was first measured on,
+    oneDNN took a one-token pass from 66.3 to 49.6 ms and won at every width. On a later one
+    (Sapphire Rapids, AMX), torch's kernel ran passes of 1, 2 and 3 rows in 33.9, 34.8 and
+    36.5 ms against oneDNN's 42.0, 43.2 and 44.2, and lost from 4 rows on (50.4 against 44.2):
+    plain decoding of up to three sessions, and a session's blocks of one or two drafted tokens
+    (docs/benchmarks.md, "Start-up tuning that two stacks disagreed on").
+
+    Whole passes decide, not each weight shape's product timed alone: that kept its weights in
+    cache where a pass streams them all, and judged on the sum of a few rounds' medians while
+    the stack's other services started, it put 60 layers on the slower kernel in one target and
+    none in another started alike, which then decoded 10 % slower. Call it on the thread that
+    runs the model, with its torch threads set: MKL's few-row products and oneDNN's differ in
+    how many threads they use."""
     layers = [m for m in model.modules() if type(m) is OneDnnLinear and m.packed_weight is not None]
     if not layers:
         return 0
-    choice: dict[tuple, bool] = {}
-    with torch.inference_mode():
+
+    def timed(torch_rows: int, rows: int) -> float:
         for module in layers:
-            key = (tuple(module.weight.shape), module.bias is not None)
-            if key not in choice:
-                x = torch.randn(1, 1, module.in_features, dtype=module.weight.dtype)
-                torch_s, onednn_s = [], []
-                for _ in range(rounds):
-                    torch_s.append(_kernel_seconds(lambda: nn.functional.linear(x, module.weight, module.bias), iters))
-                    onednn_s.append(_kernel_seconds(lambda: _onednn_linear(x, module.packed_weight, module.bias), iters))
-                choice[key] = torch_is_faster(torch_s, onednn_s)
-                log.info("one-row product %s: torch %.0f us, oneDNN %.0f us", key[0], 1e6 * min(torch_s),
-                         1e6 * min(onednn_s))
-        by_shape = [choice[(tuple(m.weight.shape), m.bias is not None)] for m in layers]
-        assignments = [by_shape, [True] * len(layers), [False] * len(layers)]
-        names = ["as each shape chose", "all on torch's kernel", "all on oneDNN's"]
+            module.torch_rows = torch_rows
+        return pass_seconds(model, rows)
 
-        def timed(i: int) -> float:
-            for module, on_torch in zip(layers, assignments[i]):
-                module.single_row_on_torch = on_torch
-            return pass_seconds(model)
-
-        timed(0)  # a warm-up pass
-        chosen, best = fastest_assignment(timed, len(assignments), pass_rounds)
-        log.info("one-token passes: %s", ", ".join(f"{n} {1e3 * b:.1f} ms" for n, b in zip(names, best)))
-        for module, on_torch in zip(layers, assignments[chosen]):
-            module.single_row_on_torch = on_torch
-    return sum(m.single_row_on_torch for m in layers)
+    torch_won: list[bool] = []
+    with torch.inference_mode():
+        for rows in range(1, max_rows + 1):
+            kernels = (rows, 0)  # torch's kernel for this many rows, then oneDNN's
+            for torch_rows in kernels:  # oneDNN makes its primitive for a new shape on the first call
+                timed(torch_rows, rows)
+            chosen, best = fastest_assignment(lambda i: timed(kernels[i], rows), len(kernels), rounds)
+            log.info("%d-row passes: torch %.1f ms, oneDNN %.1f ms", rows, 1e3 * best[0], 1e3 * best[1])
+            torch_won.append(chosen == 0)
+            if not torch_won[-1]:
+                break
+    torch_rows = torch_rows_from(torch_won)
+    for module in layers:
+        module.torch_rows = torch_rows
+    return torch_rows

@@ -192,15 +192,16 @@ class VerifyScheduler:
             self._execute(batch)
 
     def _tune_kernels(self) -> None:
-        """One-row products on the faster kernel, timed here, on the thread and threads that run
-        the passes (specd/cpu_kernels.py, `tune_single_row`); about 0.2 s for the bundled model."""
-        from specd.cpu_kernels import runs_onednn, tune_single_row
+        """Products of a few token rows on the faster kernel, timed here, on the thread and threads
+        that run the passes (specd/cpu_kernels.py, `tune_few_rows`); about 1.5 s for the bundled
+        model on the 2-core machines."""
+        from specd.cpu_kernels import runs_onednn, tune_few_rows
 
         module = getattr(getattr(self.target, "model", None), "model", None)
         if module is None or not runs_onednn(module):
             return
-        tuned = tune_single_row(module)
-        log.info("one-row products: %d linear layers on torch's kernel, the rest on oneDNN's", tuned)
+        rows = tune_few_rows(module)
+        log.info("linear layers: products of up to %d token rows on torch's kernel, wider ones on oneDNN's", rows)
 
     def _next_batch(self) -> list[_Work] | None:
         with self._cv:

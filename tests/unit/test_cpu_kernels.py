@@ -97,54 +97,60 @@ def test_runs_onednn_reads_the_output_embeddings():
     assert not cpu_kernels.runs_onednn(nn.Linear(2, 2))  # no output embeddings at all
 
 
-def pass_cost(costs: dict[str, tuple[float, float]]):
-    """A fake one-token pass timer: each named layer costs (on torch's kernel, on oneDNN's)."""
-    def seconds(model: nn.Module) -> float:
-        return sum(on_torch if getattr(model, name).single_row_on_torch else on_onednn
-                   for name, (on_torch, on_onednn) in costs.items())
+def pass_cost(torch_ms: dict[int, float], onednn_ms: dict[int, float]):
+    """A fake pass timer: a pass of r rows costs torch_ms[r] where the layers run r rows on
+    torch's kernel, else onednn_ms[r]; it records the (rows, kernel) of every pass."""
+    timed: list[tuple[int, str]] = []
+
+    def seconds(model: nn.Module, rows: int) -> float:
+        on_torch = rows <= model.up.torch_rows
+        assert on_torch == (rows <= model.down.torch_rows) == (rows <= model.head.torch_rows)
+        timed.append((rows, "torch" if on_torch else "onednn"))
+        return (torch_ms if on_torch else onednn_ms)[rows]
+
+    seconds.timed = timed  # type: ignore[attr-defined]
     return seconds
 
 
-def test_tuning_puts_one_row_products_on_the_faster_kernel_and_leaves_wider_ones_on_onednn(monkeypatch):
+def test_tuning_puts_products_of_few_rows_on_the_faster_kernel_and_leaves_wider_ones_on_onednn(monkeypatch):
     model = TiedLM()
     use_linear_kernel(model, "onednn")
     reference = TiedLM()  # torch's kernel throughout
     calls = []
     real = cpu_kernels._onednn_linear
     monkeypatch.setattr(cpu_kernels, "_onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    torch_wins = pass_cost({"up": (1.0, 2.0), "down": (1.0, 2.0), "head": (1.0, 2.0)})
-    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1, pass_rounds=2, pass_seconds=torch_wins) == 3
+    # torch's kernel faster at 1 and 2 rows, oneDNN's from 3 on
+    timer = pass_cost({1: 1.0, 2: 1.1, 3: 2.0}, {1: 1.5, 2: 1.6, 3: 1.7})
+    assert cpu_kernels.tune_few_rows(model, rounds=2, pass_seconds=timer) == 2
+    assert {rows for rows, _ in timer.timed} == {1, 2, 3}  # stopped at the first count oneDNN won
     ids = torch.randint(0, 300, (1, 5))
     calls.clear()
     with torch.inference_mode():
-        assert torch.equal(model(ids[:, :1]), reference(ids[:, :1]))  # one row: torch's very product
+        assert torch.equal(model(ids[:, :2]), reference(ids[:, :2]))  # two rows: torch's very product
         assert not calls
         torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-5)
     assert len(calls) == 3  # five rows: every layer on oneDNN
-    onednn_wins = pass_cost({"up": (2.0, 1.0), "down": (2.0, 1.0), "head": (2.0, 1.0)})
-    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1, pass_rounds=2, pass_seconds=onednn_wins) == 0
+    assert cpu_kernels.tune_few_rows(model, rounds=2, pass_seconds=pass_cost({1: 2.0}, {1: 1.0})) == 0
     calls.clear()
     with torch.inference_mode():
         model(ids[:, :1])
     assert len(calls) == 3
+    use_linear_kernel(model, "onednn")  # swapping kernels again voids the tuning
+    assert model.up.torch_rows == 0
 
 
-def test_whole_passes_overrule_the_products_timed_shape_by_shape(monkeypatch):
+def test_tuning_stops_at_the_widest_count_it_times():
     model = TiedLM()
     use_linear_kernel(model, "onednn")
-    monkeypatch.setattr(cpu_kernels, "torch_is_faster", lambda torch_s, onednn_s: True)
-    onednn_wins = pass_cost({"up": (2.0, 1.0), "down": (2.0, 1.0), "head": (2.0, 1.0)})
-    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1, pass_rounds=2, pass_seconds=onednn_wins) == 0
+    timer = pass_cost(dict.fromkeys(range(1, 5), 1.0), dict.fromkeys(range(1, 5), 2.0))
+    assert cpu_kernels.tune_few_rows(model, max_rows=4, rounds=1, pass_seconds=timer) == 4
+    assert max(rows for rows, _ in timer.timed) == 4
 
 
-def test_a_mixed_choice_shape_by_shape_stands_when_its_passes_are_the_fastest(monkeypatch):
-    model = TiedLM()
-    use_linear_kernel(model, "onednn")
-    shape_choices = iter([True, False, False])  # up, down, head: one-row on torch for `up` alone
-    monkeypatch.setattr(cpu_kernels, "torch_is_faster", lambda torch_s, onednn_s: next(shape_choices))
-    mixed_wins = pass_cost({"up": (1.0, 2.0), "down": (2.0, 1.0), "head": (2.0, 1.0)})
-    assert cpu_kernels.tune_single_row(model, rounds=1, iters=1, pass_rounds=2, pass_seconds=mixed_wins) == 1
-    assert model.up.single_row_on_torch and not model.down.single_row_on_torch and not model.head.single_row_on_torch
+def test_torch_keeps_only_the_row_counts_up_to_its_first_loss():
+    assert cpu_kernels.torch_rows_from([True, True, False, True]) == 2
+    assert cpu_kernels.torch_rows_from([False, True]) == 0
+    assert cpu_kernels.torch_rows_from([]) == 0
 
 
 def test_the_fastest_assignment_is_the_one_with_the_best_pass_each_timed_once_a_round_in_rotation():
@@ -160,12 +166,7 @@ def test_the_fastest_assignment_is_the_one_with_the_best_pass_each_timed_once_a_
     assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
 
 
-def test_the_faster_kernel_is_the_one_with_the_better_best_round():
-    assert cpu_kernels.torch_is_faster([1.0, 2.0, 0.9], [1.1, 1.1, 1.1])  # a slow round does not count
-    assert not cpu_kernels.torch_is_faster([1.2, 1.3], [1.1, 1.5])
-
-
 def test_tuning_a_model_without_onednn_layers_changes_nothing():
     model = TiedLM()
-    assert cpu_kernels.tune_single_row(model) == 0
+    assert cpu_kernels.tune_few_rows(model) == 0
     assert type(model.up) is nn.Linear

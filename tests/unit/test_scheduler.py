@@ -190,9 +190,9 @@ def test_the_model_thread_takes_the_torch_threads_the_serial_main_thread_gave_up
         torch.set_num_threads(before)
 
 
-def test_the_model_thread_tunes_one_row_products_with_its_own_threads_before_its_first_pass(monkeypatch) -> None:
-    """`tune_single_row` runs on the scheduler's thread, at the torch threads the passes get
-    (MKL's one-row product and oneDNN's use different thread counts), before any pass."""
+def test_the_model_thread_tunes_few_row_products_with_its_own_threads_before_its_first_pass(monkeypatch) -> None:
+    """`tune_few_rows` runs on the scheduler's thread, at the torch threads the passes get
+    (MKL's few-row products and oneDNN's use different thread counts), before any pass."""
     import torch
     from torch import nn
 
@@ -206,7 +206,7 @@ def test_the_model_thread_tunes_one_row_products_with_its_own_threads_before_its
         tuned_on.append((threading.current_thread().name, torch.get_num_threads()))
         return 0
 
-    monkeypatch.setattr(cpu_kernels, "tune_single_row", tune)
+    monkeypatch.setattr(cpu_kernels, "tune_few_rows", tune)
 
     class WithHead(nn.Module):
         def __init__(self) -> None:
