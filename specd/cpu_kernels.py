@@ -122,9 +122,11 @@ def use_linear_kernel(model: nn.Module, kernel: str) -> int:
 MAX_TUNED_ROWS = 8
 # A best pass of a few rows this many times the best one-row pass says the machine was busy for
 # all of that count's passes (wider passes here cost up to 1.6x a one-row one): `tune_few_rows`
-# times that count again, up to BUSY_RETRIES times, BUSY_WAIT_S apart.
+# times that count again, BUSY_WAIT_S later, up to BUSY_RETRIES times in one tuning, all row
+# counts together: targets started together, as tests start them, find the machine busy
+# throughout, and must not keep timing.
 BUSY_FACTOR = 2.0
-BUSY_RETRIES = 10
+BUSY_RETRIES = 4
 BUSY_WAIT_S = 0.5
 
 
@@ -160,7 +162,7 @@ def _pass_seconds(model: nn.Module, rows: int) -> float:
     return time.perf_counter() - start
 
 
-def tune_few_rows(model: nn.Module, max_rows: int = MAX_TUNED_ROWS, rounds: int = 5,
+def tune_few_rows(model: nn.Module, max_rows: int = MAX_TUNED_ROWS, rounds: int = 3,
                   pass_seconds: Callable[[nn.Module, int], float] = _pass_seconds,
                   sleep: Callable[[float], None] = time.sleep) -> int:
     """Times whole passes of `model` over 1, 2, ... token rows with its oneDNN layers' products
@@ -181,7 +183,7 @@ def tune_few_rows(model: nn.Module, max_rows: int = MAX_TUNED_ROWS, rounds: int 
     none in another started alike, which then decoded 10 % slower. A row count whose best pass
     took over BUSY_FACTOR times the best one-row pass is timed again a little later (a target
     tuned while its draft service loaded its model read 124 against 116 ms for 3 rows, where
-    the machine alone reads 37 against 44). Call it on the thread that
+    the machine alone reads 37 against 44), BUSY_RETRIES times at most. Call it on the thread that
     runs the model, with its torch threads set: MKL's few-row products and oneDNN's differ in
     how many threads they use."""
     layers = [m for m in model.modules() if type(m) is OneDnnLinear and m.packed_weight is not None]
@@ -195,16 +197,17 @@ def tune_few_rows(model: nn.Module, max_rows: int = MAX_TUNED_ROWS, rounds: int 
 
     torch_won: list[bool] = []
     one_row_s = float("inf")
+    retries = BUSY_RETRIES
     with torch.inference_mode():
         for rows in range(1, max_rows + 1):
             kernels = (rows, 0)  # torch's kernel for this many rows, then oneDNN's
-            for torch_rows in kernels:  # oneDNN makes its primitive for a new shape on the first call
-                timed(torch_rows, rows)
-            for attempt in range(BUSY_RETRIES + 1):
+            timed(0, rows)  # oneDNN makes its primitive for a new shape on the first call
+            while True:
                 chosen, best = fastest_assignment(lambda i: timed(kernels[i], rows), len(kernels), rounds)
                 log.info("%d-row passes: torch %.1f ms, oneDNN %.1f ms", rows, 1e3 * best[0], 1e3 * best[1])
-                if min(best) <= BUSY_FACTOR * one_row_s or attempt == BUSY_RETRIES:
+                if min(best) <= BUSY_FACTOR * one_row_s or retries == 0:
                     break
+                retries -= 1
                 log.info("%d-row passes took over %.0fx a one-row pass (%.1f ms): the machine is busy, timing "
                          "them again", rows, BUSY_FACTOR, 1e3 * one_row_s)
                 sleep(BUSY_WAIT_S)

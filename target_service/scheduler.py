@@ -194,7 +194,7 @@ class VerifyScheduler:
     def _tune_kernels(self) -> None:
         """Products of a few token rows on the faster kernel, timed here, on the thread and threads
         that run the passes (specd/cpu_kernels.py, `tune_few_rows`); about 1.5 s for the bundled
-        model on the 2-core machines, up to about 10 s more while the machine is busy."""
+        model on the 2-core machines, a few seconds more while the machine is busy."""
         from specd.cpu_kernels import runs_onednn, tune_few_rows
 
         module = getattr(getattr(self.target, "model", None), "model", None)

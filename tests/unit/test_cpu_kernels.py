@@ -157,7 +157,7 @@ def test_a_row_count_timed_while_the_machine_was_busy_is_timed_again():
         on_torch = rows <= model.up.torch_rows
         timed.append(rows)
         calls_at_rows = timed.count(rows)
-        warmups = 2
+        warmups = 1
         if rows in busy_spells and warmups < calls_at_rows <= warmups + 2 * busy_spells[rows]:
             return 10.0 if on_torch else 9.0  # both kernels slow, oneDNN's less so
         return {1: (1.0, 1.5), 2: (1.1, 1.6), 3: (2.0, 1.7)}[rows][0 if on_torch else 1]
